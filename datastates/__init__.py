@@ -1,0 +1,38 @@
+"""DataStates: a versioned model-state store for PyTorch.
+
+    store = datastates.Store.open("runs/store")
+    v = store.save({"model": model, "optim": opt}, branch="main", step=100)
+    state = store.load("main~1")
+"""
+
+from __future__ import annotations
+
+from .engine import SaveHandle
+from .errors import (
+    AmbiguousRefError,
+    ConflictError,
+    DataStatesError,
+    IntegrityError,
+    InvalidNameError,
+    NotFoundError,
+    PrunedError,
+    QueryError,
+    SaveFailedError,
+    ShapeMismatchError,
+    StorageFullError,
+    StoreClosedError,
+    StoreFormatError,
+    UnsupportedValueError,
+)
+from .manifest import TensorInfo
+from .store import Store
+from .versions import Version
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AmbiguousRefError", "ConflictError", "DataStatesError", "IntegrityError", "InvalidNameError",
+    "NotFoundError", "PrunedError", "QueryError", "SaveFailedError", "SaveHandle", "ShapeMismatchError",
+    "StorageFullError", "Store", "StoreClosedError", "StoreFormatError", "TensorInfo",
+    "UnsupportedValueError", "Version", "__version__",
+]

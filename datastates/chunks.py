@@ -1,0 +1,47 @@
+"""Chunks: content-addressed byte ranges of tensor data.
+
+A chunk's id is the blake3 digest of its *uncompressed* bytes, so the same
+bytes always get the same id whatever codec stored them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import blake3
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+"""4 MiB: large enough that per-chunk overhead (index entries, syscalls) is
+negligible, small enough that a partly changed tensor rewrites little. See
+docs/benchmarks.md for the measurement."""
+
+CODEC_RAW = 0
+CODEC_ZSTD = 1
+
+
+def chunk_id(data: memoryview | bytes) -> bytes:
+    """Return the 32-byte blake3 digest of `data` (releases the GIL for large inputs)."""
+    return blake3.blake3(data).digest()
+
+
+def spans(nbytes: int, chunk_size: int) -> list[tuple[int, int]]:
+    """Split `nbytes` into [start, end) spans of at most `chunk_size`; one empty span for 0 bytes."""
+    if nbytes == 0:
+        return [(0, 0)]
+    return [(s, min(s + chunk_size, nbytes)) for s in range(0, nbytes, chunk_size)]
+
+
+@dataclass(frozen=True)
+class ChunkLocation:
+    """Where a chunk's stored bytes live."""
+
+    pack: str
+    """Id of the pack file (32 hex characters)."""
+    offset: int
+    """Byte offset of the stored bytes inside the pack."""
+    length: int
+    """Number of stored bytes (after compression)."""
+    raw_length: int
+    """Number of bytes once decoded; what the chunk id hashes."""
+    codec: int = CODEC_RAW
+    """CODEC_RAW or CODEC_ZSTD."""

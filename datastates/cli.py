@@ -1,0 +1,208 @@
+"""The `datastates` command line. The store comes from --store PATH or $DATASTATES_STORE."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .errors import DataStatesError
+from .store import Store
+
+_COMMANDS: dict[str, Callable[[Store, argparse.Namespace], int]] = {}
+
+
+Handler = Callable[[Store, argparse.Namespace], int]
+
+
+def _command(name: str) -> Callable[[Handler], Handler]:
+    def deco(fn: Handler) -> Handler:
+        _COMMANDS[name] = fn
+        return fn
+    return deco
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _when(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+@_command("init")
+def _init(store: Store, args: argparse.Namespace) -> int:
+    print(f"store ready at {store.path}")
+    return 0
+
+
+@_command("log")
+def _log(store: Store, args: argparse.Namespace) -> int:
+    versions = store.log(args.ref, first_parent=args.first_parent, limit=args.n)
+    if args.json:
+        _print_json([v.record() | {"id": v.id} for v in versions])
+        return 0
+    heads: dict[str, list[str]] = {}
+    for kind, refs in (("", store.branches()), ("tag: ", store.tags())):
+        for name, vid in refs.items():
+            heads.setdefault(vid, []).append(kind + name)
+    for v in versions:
+        deco = f" ({', '.join(heads[v.id])})" if v.id in heads else ""
+        metrics = " ".join(f"{k}={val:.4g}" if isinstance(val, float) else f"{k}={val}" for k, val in v.metrics.items())
+        print(f"{v.short}{deco}  step={v.step}  {_when(v.created)}  new={human_bytes(v.bytes_new)}  {metrics}"
+              f"{'  ' + v.message if v.message else ''}")
+    return 0
+
+
+@_command("show")
+def _show(store: Store, args: argparse.Namespace) -> int:
+    v = store.version(args.ref)
+    _print_json(v.record() | {"id": v.id, "annotations": v.annotations, "timings": v.timings})
+    return 0
+
+
+@_command("ls")
+def _ls(store: Store, args: argparse.Namespace) -> int:
+    infos = store.ls(args.ref)
+    width = max((len(i.key) for i in infos), default=3)
+    print(f"{'key':<{width}}  {'dtype':<14} {'shape':<20} {'bytes':>10}  {'l2':>10}")
+    for i in infos:
+        l2 = i.stats.get("l2")
+        print(f"{i.key:<{width}}  {i.dtype:<14} {str(list(i.shape)):<20} {human_bytes(i.nbytes):>10}  "
+              f"{'' if l2 is None else f'{l2:.4g}':>10}{'' if i.kind == 'tensor' else '  (' + i.kind + ')'}")
+    return 0
+
+
+@_command("tag")
+def _tag(store: Store, args: argparse.Namespace) -> int:
+    if args.delete:
+        store.delete_tag(args.delete)
+    elif args.name:
+        vid = store.tag(args.name, args.ref, args.message or "")
+        print(f"tag {args.name} -> {vid[:12]}")
+    else:
+        for name, vid in store.tags().items():
+            print(f"{name}\t{vid[:12]}")
+    return 0
+
+
+@_command("branch")
+def _branch(store: Store, args: argparse.Namespace) -> int:
+    if args.delete:
+        store.delete_branch(args.delete)
+    elif args.name:
+        vid = store.branch(args.name, at=args.ref, force=args.force)
+        print(f"branch {args.name} -> {vid[:12]}")
+    else:
+        for name, vid in store.branches().items():
+            print(f"{name}\t{vid[:12]}")
+    return 0
+
+
+@_command("du")
+def _du(store: Store, args: argparse.Namespace) -> int:
+    d = store.du()
+    if args.json:
+        _print_json(d)
+        return 0
+    ratio = d["bytes_total"] / d["bytes_unique"] if d["bytes_unique"] else 1.0
+    print(f"versions      {d['versions']}")
+    print(f"bytes total   {human_bytes(d['bytes_total'])}  (what the versions hold)")
+    print(f"bytes unique  {human_bytes(d['bytes_unique'])}  (distinct chunks; dedup {ratio:.2f}x)")
+    print(f"on disk       {human_bytes(d['bytes_on_disk'])} in {d['packs']} packs")
+    return 0
+
+
+@_command("fsck")
+def _fsck(store: Store, args: argparse.Namespace) -> int:
+    rep = store.fsck(repair=args.repair, rebuild=args.rebuild)
+    if args.json:
+        _print_json(rep.to_dict())
+    else:
+        for line in rep.repaired:
+            print(f"repaired: {line}")
+        for line in rep.problems:
+            print(f"problem:  {line}")
+        counts = ", ".join(f"{n} {k}" for k, n in rep.checked.items())
+        print(f"{'ok' if rep.ok else 'NOT OK'}: checked {counts}")
+    return 0 if rep.ok else 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="datastates", description="A versioned model-state store for PyTorch.")
+    p.add_argument("--store", default=os.environ.get("DATASTATES_STORE"),
+                   help="store directory (default: $DATASTATES_STORE)")
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("init", help="create a store")
+    s = sub.add_parser("log", help="versions reachable from a ref, newest first")
+    s.add_argument("ref", nargs="?", default="main")
+    s.add_argument("-n", type=int, default=None, help="at most N versions")
+    s.add_argument("--first-parent", action="store_true")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("show", help="one version's record")
+    s.add_argument("ref", nargs="?", default="main")
+    s = sub.add_parser("ls", help="tensors of a version: dtype, shape, bytes")
+    s.add_argument("ref", nargs="?", default="main")
+    for name in ("tag", "branch"):
+        s = sub.add_parser(name, help=f"list, create or delete {name}{'es' if name == 'branch' else 's'}")
+        s.add_argument("name", nargs="?")
+        s.add_argument("ref", nargs="?", default="main")
+        s.add_argument("-d", "--delete", metavar="NAME")
+        if name == "tag":
+            s.add_argument("-m", "--message")
+        else:
+            s.add_argument("-f", "--force", action="store_true")
+    s = sub.add_parser("du", help="bytes total vs unique")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("fsck", help="verify every chunk, manifest, record and ref")
+    s.add_argument("--repair", action="store_true", help="remove leftovers of interrupted saves")
+    s.add_argument("--rebuild", action="store_true", help="rebuild the catalog from the files")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("demo", help="train a small model, saving into a local store, then print the log")
+    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--every", type=int, default=20)
+    from .bench import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (1 and a one-line message for a DataStates error)."""
+    args = _parser().parse_args(argv)
+    if args.command == "demo":
+        from .demo import run
+
+        return run(args.store or "runs/demo-store", steps=args.steps, every=args.every)
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(args)
+    if not args.store:
+        print("datastates: no store given; pass --store PATH or set DATASTATES_STORE", file=sys.stderr)
+        return 2
+    try:
+        store = Store.open(args.store, create=args.command == "init")
+        try:
+            return _COMMANDS[args.command](store, args)
+        finally:
+            store.close()
+    except DataStatesError as exc:
+        print(f"datastates: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Every error DataStates raises, under one base class.
+
+Messages name the object that was involved and say what to do next.
+"""
+
+from __future__ import annotations
+
+
+class DataStatesError(Exception):
+    """Base class of every error raised by datastates."""
+
+
+class NotFoundError(DataStatesError, KeyError):
+    """A ref, version, chunk, key or file that was asked for does not exist."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class AmbiguousRefError(DataStatesError, ValueError):
+    """A short id prefix matches more than one version."""
+
+
+class ConflictError(DataStatesError):
+    """A compare-and-swap lost a race, or a name that must be new exists."""
+
+
+class IntegrityError(DataStatesError):
+    """Bytes read back do not hash to the id they were stored under."""
+
+
+class UnsupportedValueError(DataStatesError, TypeError):
+    """A value in a state cannot be stored without pickle (or at all)."""
+
+
+class StoreFormatError(DataStatesError):
+    """The directory is not a store, or was written by a newer format."""
+
+
+class InvalidNameError(DataStatesError, ValueError):
+    """A branch, tag or key name breaks the naming rules."""
+
+
+class QueryError(DataStatesError, ValueError):
+    """A query string does not parse; carries the offset where it failed."""
+
+    def __init__(self, message: str, query: str = "", offset: int = 0) -> None:
+        self.query = query
+        self.offset = offset
+        where = f" at offset {offset}" if query else ""
+        pointer = f"\n  {query}\n  {' ' * offset}^" if query else ""
+        super().__init__(f"{message}{where}{pointer}")
+
+
+class PrunedError(DataStatesError):
+    """The version's record is kept for lineage, but its bytes were pruned."""
+
+
+class StoreClosedError(DataStatesError):
+    """The store was closed; open it again to use it."""
+
+
+class SaveFailedError(DataStatesError):
+    """A background save failed; the cause is chained as __cause__."""
+
+
+class ShapeMismatchError(DataStatesError, ValueError):
+    """A stored tensor does not match the dtype or shape it is loaded into."""
+
+
+class StorageFullError(DataStatesError, OSError):
+    """A tier ran out of space (ENOSPC); nothing of the failed save is visible."""

@@ -1,0 +1,210 @@
+"""Checking and repairing a store: `datastates fsck [--repair] [--rebuild]`.
+
+fsck reads every pack, manifest, record and ref and reports what is wrong.
+`repair` removes debris of interrupted saves (temp files, packs and manifests
+no committed version names), indexes complete records the catalog missed and
+drops catalog entries whose files are gone. It never deletes a file that a
+committed version needs: a corrupt chunk is reported, not removed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import blake3
+
+from .catalog import CommitBatch
+from .chunks import CODEC_ZSTD, chunk_id
+from .errors import DataStatesError, IntegrityError
+from .manifest import Manifest
+from .packs import list_packs, read_index
+
+if TYPE_CHECKING:
+    from .store import Store
+
+
+@dataclass
+class FsckReport:
+    """What fsck found (`problems`) and, with repair, what it changed (`repaired`)."""
+
+    checked: dict[str, int] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+    corrupt_chunks: list[dict[str, Any]] = field(default_factory=list)
+    repaired: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "checked": self.checked, "problems": self.problems,
+                "corrupt_chunks": self.corrupt_chunks, "repaired": self.repaired}
+
+
+def rebuild_catalog(store: Store) -> int:
+    """Rebuild the LMDB catalog from the tier files; return the number of versions indexed."""
+    cat = store.catalog
+    cat.clear()
+    tier = store.tier
+    for path in list_packs(tier.root / "packs"):
+        try:
+            idx = read_index(path)
+        except IntegrityError:
+            continue  # fsck reports damaged packs; their chunks stay unindexed
+        pack = path.name.removesuffix(".pack")
+        cat.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": tier.name}, idx)
+    n = 0
+    for vid in tier.iter_ids("versions", "json"):
+        data = tier.read_record(vid)
+        if data is None or blake3.blake3(data).hexdigest() != vid:
+            continue
+        cat.commit(CommitBatch(vid, data, list(json.loads(data).get("parents", []))))
+        n += 1
+    for vid in tier.iter_ids("annotations", "json"):
+        try:
+            cat.set_annotations(vid, json.loads(tier.annotation_path(vid).read_text()))
+        except (OSError, ValueError):
+            continue
+    return n
+
+
+def fsck(store: Store, *, repair: bool = False, rebuild: bool = False) -> FsckReport:
+    """Verify every chunk, manifest, record and ref of the store; see the module docstring."""
+    rep = FsckReport()
+    tier, cat = store.tier, store.catalog
+    with tier.exclusive():
+        if rebuild:
+            n = rebuild_catalog(store)
+            rep.repaired.append(f"rebuilt the catalog from files: {n} versions")
+        _check_leftovers(store, rep, repair)
+        live_packs = _check_packs(store, rep)
+        manifests_needed, packs_needed = _check_records(store, rep, repair)
+        _check_orphans(store, rep, repair, live_packs, manifests_needed, packs_needed)
+        for kind in ("branch", "tag"):
+            for name, vid in tier.refs.names(kind).items():  # type: ignore[arg-type]
+                rep.checked["refs"] = rep.checked.get("refs", 0) + 1
+                if cat.record(vid) is None and tier.read_record(vid) is None:
+                    rep.problems.append(f"{kind} {name!r} points at missing version {vid[:12]}")
+    return rep
+
+
+def _check_leftovers(store: Store, rep: FsckReport, repair: bool) -> None:
+    for p in store.tier.leftovers():
+        if repair:
+            p.unlink(missing_ok=True)
+            rep.repaired.append(f"removed leftover {p.relative_to(store.tier.root)}")
+        else:
+            rep.problems.append(f"leftover of an interrupted write: {p.relative_to(store.tier.root)}")
+
+
+def _check_packs(store: Store, rep: FsckReport) -> set[str]:
+    live: set[str] = set()
+    reader = store.tier.reader
+    for path in list_packs(store.tier.root / "packs"):
+        pack = path.name.removesuffix(".pack")
+        rep.checked["packs"] = rep.checked.get("packs", 0) + 1
+        try:
+            idx = read_index(path)
+        except IntegrityError as exc:
+            rep.problems.append(str(exc))
+            continue
+        live.add(pack)
+        for cid, loc in idx:
+            rep.checked["chunks"] = rep.checked.get("chunks", 0) + 1
+            try:
+                data = reader.read(loc)
+                if loc.codec == CODEC_ZSTD:
+                    import zstandard
+
+                    data = zstandard.ZstdDecompressor().decompress(data, max_output_size=loc.raw_length)
+                good = chunk_id(data) == cid
+            except (DataStatesError, OSError, ValueError):
+                good = False
+            if not good:
+                rep.corrupt_chunks.append({"chunk": cid.hex(), "pack": pack, "offset": loc.offset,
+                                           "tier": store.tier.name})
+                rep.problems.append(f"chunk {cid.hex()[:16]} in pack {pack} at offset {loc.offset} is corrupt "
+                                    f"(blake3 mismatch) on tier {store.tier.name}")
+    return live
+
+
+def _check_records(store: Store, rep: FsckReport, repair: bool) -> tuple[set[str], set[str]]:
+    tier, cat = store.tier, store.catalog
+    manifests_needed: set[str] = set()
+    packs_needed: set[str] = set()
+    on_disk = set()
+    for vid in tier.iter_ids("versions", "json"):
+        on_disk.add(vid)
+        rep.checked["versions"] = rep.checked.get("versions", 0) + 1
+        data = tier.read_record(vid) or b""
+        if blake3.blake3(data).hexdigest() != vid:
+            rep.problems.append(f"version record {vid[:12]} does not match its id (damaged)")
+            continue
+        rec = json.loads(data)
+        complete = True
+        for mid in rec.get("manifests", {}).values():
+            manifests_needed.add(mid)
+            if (cat.extra(vid) or {}).get("pruned"):
+                continue
+            try:
+                m = Manifest(mid, tier.read_manifest(mid))
+            except (DataStatesError, OSError, ValueError) as exc:
+                rep.problems.append(f"version {vid[:12]}: manifest {mid[:12]}: {exc}")
+                complete = False
+                continue
+            for r in m.rows:
+                locs = cat.chunks(r["chunks"])
+                for cid, loc in zip(r["chunks"], locs):
+                    if loc is None:
+                        complete = False
+                        rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()[:16]} of {r['key']!r} is missing")
+                    else:
+                        packs_needed.add(loc.pack)
+        if cat.record(vid) is None:
+            if repair and complete:
+                cat.commit(CommitBatch(vid, data, list(rec.get("parents", []))))
+                rep.repaired.append(f"indexed version {vid[:12]} that the catalog had missed")
+            elif repair:
+                tier.record_path(vid).unlink(missing_ok=True)
+                rep.repaired.append(f"removed incomplete, never-committed version record {vid[:12]}")
+            else:
+                rep.problems.append(f"version {vid[:12]} has a record but is not in the catalog")
+    for vid, data in list(cat.records()):
+        if vid not in on_disk:
+            if repair:
+                cat.drop_version(vid, list(json.loads(data).get("parents", [])))
+                rep.repaired.append(f"dropped catalog entry of version {vid[:12]} whose record file is gone")
+            else:
+                rep.problems.append(f"catalog lists version {vid[:12]} but its record file is gone")
+    return manifests_needed, packs_needed
+
+
+def _check_orphans(store: Store, rep: FsckReport, repair: bool, live: set[str], manifests_needed: set[str],
+                   packs_needed: set[str]) -> None:
+    tier, cat = store.tier, store.catalog
+    for mid in list(tier.iter_ids("manifests", "arrow")):
+        if mid not in manifests_needed:
+            _orphan(rep, repair, tier.manifest_path(mid), f"manifest {mid[:12]} named by no version", tier.root)
+    for pack in sorted(live - packs_needed):
+        store.tier.reader.forget(pack)
+        if repair:
+            cat.drop_pack(pack)
+        _orphan(rep, repair, tier.pack_path(pack), f"pack {pack} holds no chunk a version needs", tier.root)
+    for pack in cat.packs():
+        if pack not in live and not tier.pack_path(pack).exists():
+            if repair:
+                cat.drop_pack(pack)
+                rep.repaired.append(f"dropped catalog entries of missing pack {pack}")
+            else:
+                rep.problems.append(f"catalog indexes pack {pack} but its file is gone")
+
+
+def _orphan(rep: FsckReport, repair: bool, path: Path, what: str, root: Path) -> None:
+    if repair:
+        path.unlink(missing_ok=True)
+        rep.repaired.append(f"removed {what} ({path.relative_to(root)})")
+    else:
+        rep.problems.append(f"{what} (leftover of an interrupted save): {path.relative_to(root)}")

@@ -1,0 +1,91 @@
+"""Per-tensor statistics, computed chunk by chunk and merged (Chan et al.).
+
+Min, max, mean and std are over the finite values; NaN and Inf are counted
+apart, so one diverged element does not hide the rest of the picture. Complex
+tensors get only the L2 norm and the counts. Dtypes torch cannot do arithmetic
+on (packed float4, ...) get no statistics.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+_WIDE = {torch.int32, torch.int64, torch.uint32, torch.uint64, torch.float64}
+
+
+@dataclass
+class Partial:
+    """Mergeable summary of some elements of one tensor."""
+
+    n: int = 0
+    mean: float = 0.0
+    m2: float = 0.0
+    lo: float = math.inf
+    hi: float = -math.inf
+    nan: int = 0
+    inf: int = 0
+    complex: bool = False
+    ok: bool = True
+
+    def merge(self, o: Partial) -> None:
+        self.ok = self.ok and o.ok
+        self.complex = self.complex or o.complex
+        self.nan += o.nan
+        self.inf += o.inf
+        if o.n == 0:
+            return
+        n = self.n + o.n
+        delta = o.mean - self.mean
+        self.mean += delta * o.n / n
+        self.m2 += o.m2 + delta * delta * self.n * o.n / n
+        self.n = n
+        self.lo = min(self.lo, o.lo)
+        self.hi = max(self.hi, o.hi)
+
+    def final(self) -> dict[str, float | int | None]:
+        if not self.ok:
+            return {}
+        l2 = math.sqrt(max(self.m2 + self.n * self.mean * self.mean, 0.0)) if self.n else 0.0
+        if self.complex:
+            return {"l2": l2, "nan_count": self.nan, "inf_count": self.inf}
+        if self.n == 0:
+            return {"l2": 0.0, "nan_count": self.nan, "inf_count": self.inf}
+        std = math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else 0.0
+        return {"min": self.lo, "max": self.hi, "mean": self.mean, "std": std, "l2": l2,
+                "nan_count": self.nan, "inf_count": self.inf}
+
+
+def partial(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
+    """Summarize `raw` (uint8 bytes of whole elements of `dtype`)."""
+    p = Partial()
+    if raw.numel() == 0:
+        return p
+    try:
+        x = raw.view(dtype)
+        if x.is_complex():
+            p.complex = True
+            x = torch.view_as_real(x).reshape(-1)
+        if x.dtype == torch.bool:
+            x = x.view(torch.uint8)
+        x = x.to(torch.float64 if x.dtype in _WIDE else torch.float32)
+    except (RuntimeError, TypeError):
+        p.ok = False
+        return p
+    # sum + dot + aminmax: three fast passes (var_mean is ~10x slower on CPU).
+    total, sq, (lo, hi) = float(x.sum()), float(torch.dot(x, x)), torch.aminmax(x)
+    if not (math.isfinite(total) and math.isfinite(sq) and math.isfinite(float(lo)) and math.isfinite(float(hi))):
+        finite = torch.isfinite(x)
+        p.nan = int(torch.isnan(x).sum())
+        p.inf = int(x.numel() - finite.sum()) - p.nan
+        x = x[finite]
+        if x.numel() == 0:
+            return p
+        total, sq, (lo, hi) = float(x.sum()), float(torch.dot(x, x)), torch.aminmax(x)
+    p.n = x.numel()
+    p.mean = total / p.n
+    p.m2 = max(sq - total * p.mean, 0.0)
+    p.lo, p.hi = float(lo), float(hi)
+    return p
