@@ -202,6 +202,11 @@ class Catalog:
         with self.env.begin(write=True, db=self._db["extra"]) as txn:
             txn.put(bytes.fromhex(vid), json.dumps(extra).encode())
 
+    def pruned_ids(self) -> set[str]:
+        """Ids of versions whose bytes were pruned (their records stay)."""
+        with self.env.begin(db=self._db["extra"]) as txn:
+            return {bytes(k).hex() for k, v in txn.cursor() if b'"pruned": true' in v}
+
     # annotations ------------------------------------------------------------
     def annotations(self, vid: str) -> dict[str, Any]:
         with self.env.begin(db=self._db["annotations"]) as txn:

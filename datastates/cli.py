@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -140,6 +141,61 @@ def _fsck(store: Store, args: argparse.Namespace) -> int:
     return 0 if rep.ok else 1
 
 
+def _fmt(x: Any, width: int = 10) -> str:
+    if x is None:
+        return f"{'-':>{width}}"
+    if isinstance(x, float):
+        return f"{x:>{width}.4g}"
+    return f"{x!s:>{width}}"
+
+
+@_command("diff")
+def _diff(store: Store, args: argparse.Namespace) -> int:
+    rows = store.diff(args.a, args.b, keys=args.keys or None).to_pylist()
+    if args.json:
+        _print_json(rows)
+        return 0
+    if not args.all:
+        rows = [r for r in rows if r["status"] != "same"] or rows[:0]
+    width = max((len(r["key"]) for r in rows), default=3)
+    print(f"{'key':<{width}}  {'status':<22} {'l2 change':>10} {'relative':>10} {'cosine':>10} {'max abs':>10} "
+          f"{'chunks shared':>14}")
+    for r in rows:
+        shared = "" if r["chunks_total"] is None else f"{r['chunks_shared']}/{r['chunks_total']}"
+        print(f"{r['key']:<{width}}  {r['status']:<22} {_fmt(r['l2_change'])} {_fmt(r['rel_change'])} "
+              f"{_fmt(r['cosine'])} {_fmt(r['max_abs_diff'])} {shared:>14}")
+    if not rows:
+        print("no tensor differs (use --all to list unchanged ones)")
+    return 0
+
+
+@_command("find")
+def _find(store: Store, args: argparse.Namespace) -> int:
+    table = store.find(args.query, as_table=True)
+    if args.json:
+        _print_json(table.to_pylist())
+        return 0
+    metric_cols = [c for c in table.column_names if c.startswith(("metrics.", "hparams."))]
+    for r in table.to_pylist():
+        extras = "  ".join(f"{c}={_fmt(r[c], 0).strip()}" for c in metric_cols if r[c] is not None)
+        print(f"{r['id'][:12]}  step={r['step']}  branch={r['branch']}  {extras}")
+    print(f"{table.num_rows} version(s)")
+    return 0
+
+
+@_command("history")
+def _history(store: Store, args: argparse.Namespace) -> int:
+    rows = store.history(args.key, args.ref).to_pylist()
+    if args.json:
+        _print_json(rows)
+        return 0
+    print(f"{'version':<12}  {'step':>6} {'l2':>10} {'mean':>10} {'std':>10} {'min':>10} {'max':>10} {'changed':>8}")
+    for r in rows:
+        print(f"{r['version'][:12]}  {_fmt(r['step'], 6)} {_fmt(r['l2'])} {_fmt(r['mean'])} {_fmt(r['std'])} "
+              f"{_fmt(r['min'])} {_fmt(r['max'])} {_fmt(r['chunks_changed'], 8)}")
+    return 0
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="datastates", description="A versioned model-state store for PyTorch.")
     p.add_argument("--store", default=os.environ.get("DATASTATES_STORE"),
@@ -170,6 +226,19 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--repair", action="store_true", help="remove leftovers of interrupted saves")
     s.add_argument("--rebuild", action="store_true", help="rebuild the catalog from the files")
     s.add_argument("--json", action="store_true")
+    s = sub.add_parser("diff", help="tensor-by-tensor comparison of two versions")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--keys", nargs="*", help="key paths or globs to compare")
+    s.add_argument("--all", action="store_true", help="also list unchanged tensors")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("find", help="versions matching a query, e.g. \"hparams.lr > 1e-3 and metrics.loss < 0.5\"")
+    s.add_argument("query", nargs="?", default="")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("history", help="one tensor's stats across the first-parent chain")
+    s.add_argument("key")
+    s.add_argument("ref", nargs="?", default="main")
+    s.add_argument("--json", action="store_true")
     s = sub.add_parser("demo", help="train a small model, saving into a local store, then print the log")
     s.add_argument("--steps", type=int, default=300)
     s.add_argument("--every", type=int, default=20)
@@ -181,6 +250,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status (1 and a one-line message for a DataStates error)."""
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `datastates log | head` ends quietly
     args = _parser().parse_args(argv)
     if args.command == "demo":
         from .demo import run

@@ -34,7 +34,7 @@ def run(path: str, steps: int = 300, every: int = 20) -> int:
                 # Asynchronous: training continues while the checkpoint is hashed and written.
                 handles.append(store.save_async(
                     {"model": model, "optim": opt, "sched": sched, "step": step},
-                    branch="main", step=step, hparams=hparams, metrics={"loss": float(loss)},
+                    branch="main", step=step, hparams=hparams, metrics={"loss": loss.item()},
                     message=f"step {step}"))
         versions = [h.result() for h in handles]
         best = min(versions, key=lambda v: v.metrics["loss"])

@@ -9,6 +9,7 @@ file's bytes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -17,7 +18,7 @@ import blake3
 import pyarrow as pa
 
 from .errors import IntegrityError, StoreFormatError
-from .statetree import TensorEntry, dtype_name
+from .statetree import TensorEntry, dtype_from_name, dtype_name
 
 MANIFEST_FORMAT = "1"
 STAT_FIELDS = ("min", "max", "mean", "std", "l2")
@@ -111,7 +112,7 @@ class Manifest:
         for r in self.rows:
             if r["kind"] == "storage":
                 continue
-            nbytes = r["nbytes"] if r["kind"] == "tensor" else self.rows[r["base"]]["nbytes"] * 0
+            nbytes = math.prod(r["shape"]) * dtype_from_name(r["dtype"]).itemsize
             out.append(TensorInfo(r["key"], r["dtype"], tuple(r["shape"]), nbytes, r["kind"], len(r["chunks"]),
                                   {f: r[f] for f in (*STAT_FIELDS, *COUNT_FIELDS)}))
         return out

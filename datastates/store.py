@@ -75,6 +75,7 @@ class Store:
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._manifests: dict[str, Manifest] = {}
+        self._table: tuple[Any, Any] | None = None
         self.pool = BufferPool(pool_bytes, max(chunk_size, 1 << 20), pin=torch.cuda.is_available())
         self._cuda_stream: Any = None
         self.pipeline = Pipeline(self._commit, self.catalog.has_chunks, self.tier.new_pack, self.pool,
@@ -131,6 +132,9 @@ class Store:
     @property
     def path(self) -> Path:
         return self.tier.root
+
+    def _invalidate(self) -> None:
+        self._table = None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -380,6 +384,106 @@ class Store:
 
         return CatalogGraph(self.catalog)
 
+    def ancestors(self, ref: Any, *, depth: int | None = None, first_parent: bool = False) -> list[str]:
+        """Ids of the versions `ref` descends from, newest first (without `ref` itself)."""
+        from .lineage import ancestors
+
+        return ancestors(self.graph, self.resolve(ref), depth=depth, first_parent=first_parent)
+
+    def descendants(self, ref: Any, *, depth: int | None = None) -> list[str]:
+        """Ids of the versions grown from `ref`, across branches, oldest first."""
+        from .lineage import descendants
+
+        return descendants(self.graph, self.resolve(ref), depth=depth)
+
+    def merge_base(self, a: Any, b: Any) -> str | None:
+        """The nearest common ancestor of two versions (None if they share none)."""
+        from .lineage import merge_base
+
+        return merge_base(self.graph, self.resolve(a), self.resolve(b))
+
+    def paths(self, src: Any, dst: Any, *, limit: int = 100) -> list[list[str]]:
+        """The lineage paths from `src` down to `dst` (lists of ids)."""
+        from .lineage import paths
+
+        return paths(self.graph, self.resolve(src), self.resolve(dst), limit=limit)
+
+    def versions_table(self) -> Any:
+        """Every version as a pyarrow Table: fixed fields plus hparams.*, metrics.*, annotations.* columns."""
+        from . import table
+
+        key = (self.catalog.generation(), tuple(sorted(self.tags().items())))
+        if self._table is None or self._table[0] != key:
+            self._table = (key, table.build(self))
+        return self._table[1]
+
+    def find(self, query: str = "", *, as_table: bool = False) -> Any:
+        """Versions matching a query such as "hparams.lr > 1e-3 and metrics.loss < 0.5 order by step".
+
+        Returns Versions (or the matching rows as a pyarrow Table). Raises QueryError with the offset.
+        """
+        from .lineage import ancestors, descendants
+        from .query import parse
+
+        q = parse(query)
+
+        def lineage(kind: str, ref: str) -> set[str]:
+            start = self.resolve(ref)
+            walk = ancestors if kind == "ancestor_of" else descendants
+            return set(walk(self.graph, start))
+
+        rows = q.apply(self.versions_table(), lineage)
+        if as_table:
+            return rows
+        return [self.version(v) for v in rows.column("id").to_pylist()]
+
+    def diff(self, a: Any, b: Any, *, keys: list[str] | None = None) -> Any:
+        """A pyarrow Table, one row per tensor key; see `datastates.compare.diff`."""
+        from .compare import diff
+
+        return diff(self, a, b, keys)
+
+    def history(self, key: str, ref: Any = "main", *, values: bool = False) -> Any:
+        """A tensor's stats across the first-parent chain of `ref` (Table), or with values=True
+        an iterator of (Version, tensor) loading one at a time."""
+        from .compare import history, history_values
+
+        return history_values(self, key, ref) if values else history(self, key, ref)
+
+    def fork(self, ref: Any, *, branch: str | None, parents: Sequence[Any] | None = None,
+             hparams: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
+             step: int | None = None, message: str = "", fork_of: Any = None,
+             explore: dict[str, Any] | None = None) -> Version:
+        """A new version holding exactly the tensors of `ref` (no bytes read or written).
+
+        Its parents default to [ref]; hparams/step default to ref's. Used for
+        PBT exploit/explore and for re-labelling a state. Moves `branch`.
+        """
+        self._check_open()
+        src = self.version(ref)
+        if src.pruned:
+            raise PrunedError(f"version {src.short} was pruned; it cannot be forked")
+        if branch is not None:
+            check_name(branch, "branch")
+        rec = record_dict(
+            parents=[self.resolve(p) for p in parents] if parents is not None else [src.id],
+            manifests=src.manifests, step=src.step if step is None else int(step), epoch=src.epoch,
+            created=time.time(), hparams=plain_json(src.hparams if hparams is None else hparams, "hparams"),
+            metrics=plain_json(metrics, "metrics"), message=message, branch=branch, world_size=src.world_size,
+            bytes_total=src.bytes_total, bytes_new=0, chunks_new=0,
+            fork_of=None if fork_of is None else self.resolve(fork_of),
+            explore=None if explore is None else plain_json(explore, "explore"),
+        )
+        vid, data = encode_record(rec)
+        refs = self.tier.refs
+        with self.tier.writing(), refs.locked():
+            self.tier.write_record(vid, data)
+            self.catalog.commit(CommitBatch(vid, data, list(rec["parents"])))
+            if branch:
+                refs.set_if_equals("branch", branch, refs.get("branch", branch), vid, f"fork of {src.short}",
+                                   locked=True)
+        return self.version(vid)
+
     # loading -----------------------------------------------------------------------
     def manifest(self, mid: str) -> Manifest:
         m = self._manifests.get(mid)
@@ -390,7 +494,7 @@ class Store:
             self._manifests[mid] = m
         return m
 
-    def _manifest_of(self, v: Version, rank: int = 0) -> Manifest:
+    def manifest_of(self, v: Version, rank: int = 0) -> Manifest:
         if v.pruned:
             raise PrunedError(f"version {v.short} was pruned: its record is kept for lineage, its tensors are gone")
         try:
@@ -400,7 +504,7 @@ class Store:
 
     def ls(self, ref: Any = "main", rank: int = 0) -> list[TensorInfo]:
         """The tensors of a version with dtype, shape, bytes and stats; reads no tensor bytes."""
-        return self._manifest_of(self.version(ref), rank).info()
+        return self.manifest_of(self.version(ref), rank).info()
 
     def load(self, ref: Any = "main", *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
              allow_pickle: bool = False, rank: int = 0) -> Any:
@@ -412,7 +516,7 @@ class Store:
         """
         self._check_open()
         v = self.version(ref)
-        m = self._manifest_of(v, rank)
+        m = self.manifest_of(v, rank)
         select = None
         if keys is not None:
             select = _key_selector(list(keys), [r["key"] for r in m.rows if r["kind"] != "storage"], v)
@@ -483,6 +587,15 @@ class Store:
                 f"(blake3 mismatch) on tier {self.tier.name}; run `datastates fsck`"
             )
 
+    def read_chunk(self, cid: bytes, key: str = "?") -> bytes:
+        """The raw bytes of one chunk, verified. Raises NotFoundError, IntegrityError."""
+        loc = self.catalog.chunk(cid)
+        if loc is None:
+            raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; run `datastates fsck`")
+        out = bytearray(loc.raw_length)
+        self._read_chunk(cid, loc, memoryview(out), key)
+        return bytes(out)
+
     def checkout(self, ref: Any = "main", *, strict: bool = True, allow_pickle: bool = False,
                  **objects: Any) -> Version:
         """Load `ref` into live objects: `checkout("warm", model=m, optimizer=opt)`.
@@ -493,7 +606,7 @@ class Store:
         """
         v = self.version(ref)
         names = {}
-        top = self._manifest_of(v).tree
+        top = self.manifest_of(v).tree
         keys = top.get("k", []) if top["t"] in ("dict", "odict") else []
         for name in objects:
             key = next((k for k in (name, *_ALIASES.get(name, ())) if k in keys), None)

@@ -1,0 +1,176 @@
+"""Population-based training on top of the store.
+
+Each member trains on its own branch `<population>/member-NN`. `exploit`
+copies a top member's latest state into a bottom member (a fork: no bytes are
+read or written) and records the donor in the new version's `fork_of`;
+`explore` records a hyperparameter change as `explore = {"old": ..., "new": ...}`
+on a version. The family tree is therefore a query over real fields, never a
+log to parse. Versions that a living member's lineage needs are protected
+from pruning (see `protected`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from .errors import NotFoundError
+
+if TYPE_CHECKING:
+    from .store import Store
+    from .versions import Version
+
+
+@dataclass
+class Member:
+    """One member of a population: a branch plus its current hyperparameters."""
+
+    population: Population
+    index: int
+    hparams: dict[str, Any]
+
+    @property
+    def branch(self) -> str:
+        return f"{self.population.name}/member-{self.index:02d}"
+
+    @property
+    def head(self) -> Version | None:
+        vid = self.population.store.branches().get(self.branch)
+        return None if vid is None else self.population.store.version(vid)
+
+    def save(self, state: Any, *, metrics: dict[str, Any], step: int | None = None, **kw: Any) -> Version:
+        """Save this member's state on its branch with its current hyperparameters."""
+        return self.population.store.save(state, branch=self.branch, step=step, hparams=self.hparams,
+                                          metrics=metrics, **kw)
+
+    def load(self, **kw: Any) -> Any:
+        """The member's latest state (after an exploit: the donor's)."""
+        return self.population.store.load(self.branch, **kw)
+
+    def score(self) -> float | None:
+        head = self.head
+        if head is None:
+            return None
+        value = head.metrics.get(self.population.metric, head.annotations.get(self.population.metric))
+        return None if value is None else float(value)
+
+
+class Population:
+    """`Population(store, "sweep-1", size=8, metric="score", mode="max")`."""
+
+    def __init__(self, store: Store, name: str, size: int, *, metric: str = "score", mode: str = "max",
+                 hparams: dict[str, Any] | list[dict[str, Any]] | None = None, fraction: float = 0.25,
+                 seed: int = 0) -> None:
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode {mode!r} must be 'min' or 'max'")
+        if size < 2:
+            raise ValueError(f"a population needs at least 2 members, not {size}")
+        self.store, self.name, self.metric, self.mode, self.fraction = store, name, metric, mode, fraction
+        self.rng = random.Random(seed)
+        per = hparams if isinstance(hparams, list) else [dict(hparams or {}) for _ in range(size)]
+        self.members = [Member(self, i, dict(per[i])) for i in range(size)]
+        for m in self.members:  # a restarted population continues from what its branches hold
+            head = m.head
+            if head is not None:
+                m.hparams = dict(head.hparams)
+        _LIVING.setdefault(id(store), []).append(self)
+
+    def ranked(self) -> list[Member]:
+        """Members with a score, best first."""
+        scored = [(m.score(), m) for m in self.members]
+        ranked = [(s, m) for s, m in scored if s is not None]
+        ranked.sort(key=lambda sm: sm[0], reverse=self.mode == "max")
+        return [m for _, m in ranked]
+
+    def exploit(self, member: Member, donor: Member | None = None) -> Version | None:
+        """Truncation selection: if `member` is in the bottom fraction, fork a top member's
+        latest version into it and copy the donor's hyperparameters. Returns the new version,
+        or None when the member is not in the bottom fraction."""
+        ranked = self.ranked()
+        k = max(1, int(len(ranked) * self.fraction))
+        if donor is None:
+            if member not in ranked[-k:] or len(ranked) < 2:
+                return None
+            donor = self.rng.choice([m for m in ranked[:k] if m is not member])
+        src = donor.head
+        if src is None:
+            raise NotFoundError(f"donor {donor.branch} has no saved version yet; save before exploiting")
+        member.hparams = dict(src.hparams)
+        return self.store.fork(src, branch=member.branch, parents=[src.id], fork_of=src.id,
+                               message=f"exploit: {member.branch} <- {donor.branch}")
+
+    def explore(self, member: Member, hparams: dict[str, Any] | None = None, *,
+                perturb: dict[str, tuple[float, ...]] | None = None) -> Version:
+        """Change the member's hyperparameters (given, or each numeric one in `perturb` multiplied
+        by a random factor) and record old -> new as the `explore` field of a new version."""
+        head = member.head
+        if head is None:
+            raise NotFoundError(f"{member.branch} has no saved version yet; save before exploring")
+        old = dict(member.hparams)
+        new = dict(old)
+        if hparams:
+            new.update(hparams)
+        for key, factors in (perturb or {}).items():
+            new[key] = old[key] * self.rng.choice(factors)
+        member.hparams = new
+        changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
+        return self.store.fork(head, branch=member.branch, hparams=new,
+                               explore={"old": {k: old.get(k) for k in sorted(changed)},
+                                        "new": {k: new.get(k) for k in sorted(changed)}},
+                               message=f"explore: {', '.join(sorted(changed))}")
+
+    def family_tree(self) -> pa.Table:
+        """Edges of the population's lineage: child, parent, kind ('parent' or 'fork'), member, step."""
+        rows: list[dict[str, Any]] = []
+        table = self.store.versions_table()
+        prefix = f"{self.name}/"
+        # Every version saved on a member branch, abandoned lines (before an exploit) included.
+        ids = [vid for vid, br in zip(table.column("id").to_pylist(), table.column("branch").to_pylist())
+               if br is not None and br.startswith(prefix)]
+        for vid in ids:
+            v = self.store.version(vid)
+            for p in v.parents:
+                    rows.append({"child": vid, "parent": p, "kind": "fork" if v.fork_of == p else "parent",
+                             "member": v.branch, "step": v.step,
+                             "explore": None if v.explore is None else str(v.explore)})
+        schema = pa.schema([("child", pa.string()), ("parent", pa.string()), ("kind", pa.string()),
+                            ("member", pa.string()), ("step", pa.int64()), ("explore", pa.string())])
+        return pa.Table.from_pylist(rows, schema=schema)
+
+    def replay(self, member: Member) -> list[tuple[int | None, dict[str, Any]]]:
+        """The (step, hparams) schedule that produced `member`'s latest state, oldest first:
+        one entry each time the hyperparameters changed along its first-parent lineage."""
+        head = member.head
+        if head is None:
+            return []
+        chain = [head.id, *self.store.ancestors(head.id, first_parent=True)]
+        out: list[tuple[int | None, dict[str, Any]]] = []
+        for vid in reversed(chain):
+            v = self.store.version(vid)
+            if not out or out[-1][1] != v.hparams:
+                out.append((v.step, dict(v.hparams)))
+        return out
+
+    def protected(self) -> set[str]:
+        """Every version a living member's lineage needs (its ancestors, donors included)."""
+        keep: set[str] = set()
+        for m in self.members:
+            vid = self.store.branches().get(m.branch)
+            if vid is not None:
+                keep.add(vid)
+                keep.update(self.store.ancestors(vid))
+        return keep
+
+
+_LIVING: dict[int, list[Population]] = {}
+
+
+def protected_versions(store: Store) -> set[str]:
+    """Versions that the populations open on `store` in this process must keep (for retention)."""
+    out: set[str] = set()
+    for pop in _LIVING.get(id(store), []):
+        out |= pop.protected()
+    return out

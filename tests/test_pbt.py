@@ -1,0 +1,80 @@
+"""Population-based training helpers: exploit/explore fields, family tree, replay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import datastates as ds
+from datastates.pbt import Population, protected_versions
+
+
+def _on_branch(store: ds.Store, branch: str) -> list[ds.Version]:
+    """Every version saved on `branch`, lines abandoned by an exploit included."""
+    t = store.versions_table()
+    return [store.version(i) for i, b in zip(t.column("id").to_pylist(), t.column("branch").to_pylist())
+            if b == branch]
+
+
+def _run(tmp_path: Path) -> tuple[ds.Store, Population]:
+    store = ds.Store.open(tmp_path / "s")
+    pop = Population(store, "sweep", size=4, hparams=[{"lr": 10.0 ** -i} for i in range(1, 5)], seed=7)
+    for step in range(1, 4):
+        for m in pop.members:
+            w = torch.full((256,), float(m.index * 10 + step))
+            m.save({"w": w}, metrics={"score": float(m.index) + step / 10}, step=step)
+        worst = pop.ranked()[-1]
+        pop.exploit(worst)
+        pop.explore(worst, perturb={"lr": (0.5, 2.0)})
+    return store, pop
+
+
+def test_exploit_forks_donor_without_new_bytes(tmp_path: Path) -> None:
+    store, pop = _run(tmp_path)
+    worst = pop.members[0]  # lowest score every round
+    forks = [v for v in _on_branch(store, worst.branch) if v.fork_of is not None]
+    assert len(forks) == 3
+    for v in forks:
+        donor = store.version(v.fork_of)
+        assert v.parents == (donor.id,)
+        assert v.bytes_new == 0
+        assert donor.branch != worst.branch
+        assert torch.equal(store.load(v)["w"], store.load(donor)["w"])
+    store.close()
+
+
+def test_explore_records_old_and_new_hparams(tmp_path: Path) -> None:
+    store, pop = _run(tmp_path)
+    explored = [v for v in _on_branch(store, pop.members[0].branch) if v.explore is not None]
+    assert len(explored) == 3
+    for v in explored:
+        old, new = v.explore["old"]["lr"], v.explore["new"]["lr"]
+        assert new in (old * 0.5, old * 2.0)
+        assert v.hparams["lr"] == new
+    table = store.versions_table()
+    assert sum(1 for f in table.column("fork_of").to_pylist() if f is not None) == 3
+    store.close()
+
+
+def test_family_tree_and_replay(tmp_path: Path) -> None:
+    store, pop = _run(tmp_path)
+    tree = pop.family_tree().to_pylist()
+    assert sum(1 for e in tree if e["kind"] == "fork") == 3
+    children = {e["child"] for e in tree}
+    assert all(store.version(c).parents for c in children)
+    sched = pop.replay(pop.members[0])
+    steps = [s for s, _ in sched]
+    assert steps == sorted(steps)
+    assert sched[-1][1] == pop.members[0].hparams
+    assert len(sched) >= 2  # donor's hparams, then at least one explore change
+    store.close()
+
+
+def test_protected_versions_cover_donors(tmp_path: Path) -> None:
+    store, pop = _run(tmp_path)
+    keep = protected_versions(store)
+    for v in _on_branch(store, pop.members[0].branch):
+        if v.fork_of:
+            assert v.fork_of in keep
+    store.close()
