@@ -591,7 +591,8 @@ class Store:
         """The raw bytes of one chunk, verified. Raises NotFoundError, IntegrityError."""
         loc = self.catalog.chunk(cid)
         if loc is None:
-            raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; run `datastates fsck`")
+            raise NotFoundError(
+                f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; run `datastates fsck`")
         out = bytearray(loc.raw_length)
         self._read_chunk(cid, loc, memoryview(out), key)
         return bytes(out)

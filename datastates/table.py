@@ -48,10 +48,9 @@ def build(store: Store) -> pa.Table:
         tags.setdefault(vid, []).append(name)
     fixed: dict[str, list[Any]] = {name: [] for name, _ in _FIXED}
     dynamic: dict[str, list[Any]] = {}
-    n = 0
     annotations = store.catalog.all_annotations()
     pruned = store.catalog.pruned_ids()
-    for vid, data in store.catalog.records():
+    for n, (vid, data) in enumerate(store.catalog.records()):
         rec = json.loads(data)
         row = {"id": vid, "step": rec.get("step"), "epoch": rec.get("epoch"), "created": rec.get("created"),
                "branch": rec.get("branch"), "tags": tags.get(vid, []), "message": rec.get("message", ""),
@@ -69,9 +68,8 @@ def build(store: Store) -> pa.Table:
             if col is None:
                 col = dynamic[name] = [None] * n
             col.append(v)
-        n += 1
         for col in dynamic.values():
-            if len(col) < n:
+            if len(col) < n + 1:
                 col.append(None)
     arrays = [pa.array(fixed[name], typ) for name, typ in _FIXED]
     names = [name for name, _ in _FIXED]
