@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from .config import Flush
 from .engine import SaveHandle
 from .errors import (
     AmbiguousRefError,
@@ -31,7 +32,7 @@ from .versions import Version
 __version__ = "0.1.0"
 
 __all__ = [
-    "AmbiguousRefError", "ConflictError", "DataStatesError", "IntegrityError", "InvalidNameError",
+    "AmbiguousRefError", "ConflictError", "Flush", "DataStatesError", "IntegrityError", "InvalidNameError",
     "NotFoundError", "PrunedError", "QueryError", "SaveFailedError", "SaveHandle", "ShapeMismatchError",
     "StorageFullError", "Store", "StoreClosedError", "StoreFormatError", "TensorInfo",
     "UnsupportedValueError", "Version", "__version__",

@@ -11,6 +11,8 @@ import errno
 import json
 import os
 import secrets
+import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -40,12 +42,50 @@ def write_all(fd: int, data: memoryview | bytes) -> int:
     return done
 
 
+_HOST = socket.gethostname().replace(".", "_")
+
+
 def _tmp_path(final: Path) -> Path:
-    return final.with_name(f".{final.name}.{secrets.token_hex(4)}.tmp")
+    # Host and pid in the name let fsck tell a dead writer's debris from a live one's work.
+    return final.with_name(f".{final.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def tmp_is_stale(path: Path, max_age_s: float = 3600.0) -> bool:
+    """True if a temp file's writer is dead (same host, pid gone) or it is older than `max_age_s`."""
+    parts = path.name.split(".")
+    try:
+        host, pid = parts[-4], int(parts[-3])
+    except (IndexError, ValueError):
+        host, pid = "", -1
+    if host == _HOST and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        else:
+            return False  # its writer is alive
+    try:
+        return time.time() - path.stat().st_mtime > max_age_s
+    except FileNotFoundError:
+        return False
+
+
+def make_dirs(path: Path) -> None:
+    """Create `path` and parents, fsyncing each new directory's entry in its parent."""
+    if path.is_dir():
+        return
+    make_dirs(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    fsync_dir(path.parent)
 
 
 def _write_tmp(final: Path, data: bytes) -> Path:
-    final.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(final.parent)
     tmp = _tmp_path(final)
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -99,10 +139,52 @@ def replace(final: Path, data: bytes) -> None:
 
 def append_line(path: Path, line: bytes) -> None:
     """Append one line durably (used for logs that are never rewritten)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
+    new = not path.exists()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         write_all(fd, line + b"\n")
         os.fsync(fd)
     finally:
         os.close(fd)
+    if new:
+        fsync_dir(path.parent)
+
+
+def copy_file(src: Path, dst: Path, *, overwrite: bool = False) -> bool:
+    """Copy `src` durably to `dst` (temp + fsync + link, or rename with `overwrite`).
+
+    Returns False if `dst` existed and `overwrite` is False. A crash leaves at
+    most a `.tmp` file behind, never a partial `dst`.
+    """
+    if dst.exists() and not overwrite:
+        return False
+    make_dirs(dst.parent)
+    tmp = _tmp_path(dst)
+    try:
+        with open(src, "rb") as fin, open(tmp, "xb") as fout:
+            size = os.fstat(fin.fileno()).st_size
+            done = 0
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done) if hasattr(
+                    os, "copy_file_range") else 0
+                if n <= 0:
+                    fout.write(fin.read())  # file systems without copy_file_range
+                    break
+                done += n
+            fout.flush()
+            os.fsync(fout.fileno())
+        if overwrite:
+            os.replace(tmp, dst)
+        else:
+            try:
+                os.link(tmp, dst)
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise full_or(exc, dst) from exc
+    fsync_dir(dst.parent)
+    return True

@@ -19,11 +19,13 @@ import blake3
 from .catalog import CommitBatch
 from .chunks import CODEC_ZSTD, chunk_id
 from .errors import DataStatesError, IntegrityError
+from .files import copy_file, tmp_is_stale
 from .manifest import Manifest
 from .packs import list_packs, read_index
 
 if TYPE_CHECKING:
     from .store import Store
+    from .tier import Tier
 
 
 @dataclass
@@ -45,29 +47,49 @@ class FsckReport:
 
 
 def rebuild_catalog(store: Store) -> int:
-    """Rebuild the LMDB catalog from the tier files; return the number of versions indexed."""
+    """Rebuild the LMDB catalog from the files of every tier; return the number of versions indexed.
+
+    Packs are byte-identical on every tier that holds them, so one location
+    serves all. A version found on cold is marked resident there; one found
+    only on hot is queued for flushing again.
+    """
     cat = store.catalog
     cat.clear()
-    tier = store.tier
-    for path in list_packs(tier.root / "packs"):
-        try:
-            idx = read_index(path)
-        except IntegrityError:
-            continue  # fsck reports damaged packs; their chunks stay unindexed
-        pack = path.name.removesuffix(".pack")
-        cat.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": tier.name}, idx)
+    for tier in store.tiers:
+        for path in list_packs(tier.root / "packs"):
+            try:
+                idx = read_index(path)
+            except (IntegrityError, OSError):
+                continue  # fsck reports damaged packs; their chunks stay unindexed
+            pack = path.name.removesuffix(".pack")
+            cat.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": tier.name}, idx)
+    on_cold = set(store.cold.iter_ids("versions", "json")) if store.cold is not None else set()
+    flush_rest = store.cold is not None and not store.tiering.flush.tagged_only
     n = 0
-    for vid in tier.iter_ids("versions", "json"):
-        data = tier.read_record(vid)
-        if data is None or blake3.blake3(data).hexdigest() != vid:
-            continue
-        cat.commit(CommitBatch(vid, data, list(json.loads(data).get("parents", []))))
-        n += 1
-    for vid in tier.iter_ids("annotations", "json"):
-        try:
-            cat.set_annotations(vid, json.loads(tier.annotation_path(vid).read_text()))
-        except (OSError, ValueError):
-            continue
+    for tier in store.tiers:
+        for vid in tier.iter_ids("versions", "json"):
+            if cat.record(vid) is not None:
+                continue
+            data = tier.read_record(vid)
+            if data is None or blake3.blake3(data).hexdigest() != vid:
+                continue
+            extra: dict[str, Any] = {}
+            if store.cold is not None:
+                extra = {"cold": True} if vid in on_cold else ({"flush": "pending"} if flush_rest else {})
+            cat.commit(CommitBatch(vid, data, list(json.loads(data).get("parents", [])), extra=extra))
+            n += 1
+    for tier in reversed(store.tiers):  # hot last: its annotations are the newest
+        for vid in tier.iter_ids("annotations", "json"):
+            try:
+                cat.set_annotations(vid, json.loads(tier.annotation_path(vid).read_text()))
+            except (OSError, ValueError):
+                continue
+    # A `<id>.pruned` marker beside a record (written by datastates.retention.prune) is the truth: without
+    # it a rebuilt catalog would offer a pruned version whose bytes gc may already have freed.
+    for tier in store.tiers:
+        for vid in tier.iter_ids("versions", "pruned"):
+            if cat.record(vid) is not None:
+                cat.set_extra(vid, {**cat.extra(vid), "pruned": True})
     return n
 
 
@@ -80,7 +102,7 @@ def fsck(store: Store, *, repair: bool = False, rebuild: bool = False) -> FsckRe
             n = rebuild_catalog(store)
             rep.repaired.append(f"rebuilt the catalog from files: {n} versions")
         _check_leftovers(store, rep, repair)
-        live_packs = _check_packs(store, rep)
+        live_packs = _check_packs(store, rep, repair)
         manifests_needed, packs_needed = _check_records(store, rep, repair)
         _check_orphans(store, rep, repair, live_packs, manifests_needed, packs_needed)
         for kind in ("branch", "tag"):
@@ -92,24 +114,56 @@ def fsck(store: Store, *, repair: bool = False, rebuild: bool = False) -> FsckRe
 
 
 def _check_leftovers(store: Store, rep: FsckReport, repair: bool) -> None:
-    for p in store.tier.leftovers():
-        if repair:
-            p.unlink(missing_ok=True)
-            rep.repaired.append(f"removed leftover {p.relative_to(store.tier.root)}")
-        else:
-            rep.problems.append(f"leftover of an interrupted write: {p.relative_to(store.tier.root)}")
+    for tier in store.tiers:
+        for p in tier.leftovers():
+            if tier.shared and not tmp_is_stale(p):
+                continue  # another host (or a live process) may be writing it right now
+            where = f"{tier.name}:{p.relative_to(tier.root)}"
+            if repair:
+                p.unlink(missing_ok=True)
+                rep.repaired.append(f"removed leftover {where}")
+            else:
+                rep.problems.append(f"leftover of an interrupted write: {where}")
 
 
-def _check_packs(store: Store, rep: FsckReport) -> set[str]:
+def _check_packs(store: Store, rep: FsckReport, repair: bool = False) -> set[str]:
+    """Verify every chunk of every tier; with repair, replace a corrupt pack by a good copy on another tier.
+    Returns the sealed packs of the hot (catalog) tier."""
     live: set[str] = set()
-    reader = store.tier.reader
-    for path in list_packs(store.tier.root / "packs"):
+    for tier in store.tiers:
+        bad = _check_tier_packs(store, tier, rep, live if tier is store.tier else set())
+        for pack in sorted(bad):
+            if repair:
+                _repair_pack(store, tier, pack, rep)
+    return live
+
+
+def _repair_pack(store: Store, tier: Tier, pack: str, rep: FsckReport) -> None:
+    for other in store.tiers:
+        if other is tier or not other.pack_path(pack).exists():
+            continue
+        probe = FsckReport()
+        if _check_tier_packs(store, other, probe, set(), only=pack):
+            continue  # that copy is damaged too
+        tier.reader.forget(pack)
+        copy_file(other.pack_path(pack), tier.pack_path(pack), overwrite=True)
+        rep.repaired.append(f"replaced corrupt pack {pack} on {tier.name} with the good copy from {other.name}")
+        rep.problems[:] = [p for p in rep.problems if not (pack in p and f"on tier {tier.name}" in p)]
+        return
+
+
+def _check_tier_packs(store: Store, tier: Tier, rep: FsckReport, live: set[str], only: str | None = None) -> set[str]:
+    bad: set[str] = set()
+    reader = tier.reader
+    paths = [tier.pack_path(only)] if only else list(list_packs(tier.root / "packs"))
+    for path in paths:
         pack = path.name.removesuffix(".pack")
         rep.checked["packs"] = rep.checked.get("packs", 0) + 1
         try:
             idx = read_index(path)
-        except IntegrityError as exc:
-            rep.problems.append(str(exc))
+        except (IntegrityError, OSError) as exc:
+            rep.problems.append(f"{exc} (on tier {tier.name})")
+            bad.add(pack)
             continue
         live.add(pack)
         for cid, loc in idx:
@@ -124,11 +178,12 @@ def _check_packs(store: Store, rep: FsckReport) -> set[str]:
             except (DataStatesError, OSError, ValueError):
                 good = False
             if not good:
+                bad.add(pack)
                 rep.corrupt_chunks.append({"chunk": cid.hex(), "pack": pack, "offset": loc.offset,
-                                           "tier": store.tier.name})
+                                           "tier": tier.name})
                 rep.problems.append(f"chunk {cid.hex()[:16]} in pack {pack} at offset {loc.offset} is corrupt "
-                                    f"(blake3 mismatch) on tier {store.tier.name}")
-    return live
+                                    f"(blake3 mismatch) on tier {tier.name}")
+    return bad
 
 
 def _check_records(store: Store, rep: FsckReport, repair: bool) -> tuple[set[str], set[str]]:
@@ -194,7 +249,7 @@ def _check_orphans(store: Store, rep: FsckReport, repair: bool, live: set[str], 
             cat.drop_pack(pack)
         _orphan(rep, repair, tier.pack_path(pack), f"pack {pack} holds no chunk a version needs", tier.root)
     for pack in cat.packs():
-        if pack not in live and not tier.pack_path(pack).exists():
+        if pack not in live and not any(t.pack_path(pack).exists() for t in store.tiers):
             if repair:
                 cat.drop_pack(pack)
                 rep.repaired.append(f"dropped catalog entries of missing pack {pack}")

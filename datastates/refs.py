@@ -54,6 +54,40 @@ def check_name(name: str, what: str = "branch") -> str:
     return name
 
 
+STALE_LOCK_S = 30.0
+
+
+@contextmanager
+def _lockfile(path: Path) -> Iterator[None]:
+    """A lock that works across hosts on POSIX shared file systems: O_CREAT|O_EXCL is atomic
+    there (flock is not everywhere). A lock older than STALE_LOCK_S is from a dead holder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    me = f"{socket.gethostname()} {os.getpid()} {time.time()}".encode()
+    delay = 0.001
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            break
+        except FileExistsError:
+            try:
+                if time.time() - path.stat().st_mtime > STALE_LOCK_S:
+                    # Rename first so two breakers cannot both delete a fresh lock.
+                    stale = path.with_name(f"{path.name}.{os.getpid()}.stale")
+                    os.rename(path, stale)
+                    stale.unlink(missing_ok=True)
+                    continue
+            except FileNotFoundError:
+                continue
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+    try:
+        os.write(fd, me)
+        os.close(fd)
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def _encode(name: str) -> str:
     # Flat files: '/' inside a name must not create directories (a/b vs a).
     return name.replace("%", "%25").replace("/", "%2F")
@@ -66,8 +100,10 @@ def _decode(fname: str) -> str:
 class RefStore:
     """Branches and tags of one tier directory."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, shared: bool = False) -> None:
         self.root = root
+        self.shared = shared
+        """True on a tier shared by several hosts: lock with O_EXCL lock files, not flock."""
         self._lock_path = root / "locks" / "refs.lock"
 
     def _path(self, kind: Kind, name: str) -> Path:
@@ -78,7 +114,11 @@ class RefStore:
 
     @contextmanager
     def locked(self) -> Iterator[None]:
-        """Hold the tier's ref lock (exclusive across processes on this host and POSIX file systems)."""
+        """Hold the tier's ref lock, exclusive across processes (and hosts, for a shared tier)."""
+        if self.shared:
+            with _lockfile(self.root / "locks" / "refs.lockfile"):
+                yield
+            return
         self._lock_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

@@ -125,7 +125,7 @@ class Flattener:
             return {"t": "device", "v": str(v)}
         if isinstance(v, torch.Size):
             return {"t": "size", "v": list(v)}
-        if isinstance(v, np.ndarray) and v.dtype.kind in "biufc" and not v.dtype.byteswap:
+        if isinstance(v, np.ndarray) and v.dtype.kind in "biufc" and v.dtype.isnative:
             node = self._node(torch.from_numpy(np.ascontiguousarray(v)), path)
             return {**node, "np": True}
         if isinstance(v, np.generic) and v.dtype.kind in "biufc":

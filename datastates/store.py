@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import fnmatch
 import json
+import logging
 import os
 import re
 import threading
@@ -22,11 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 
+from . import config as tier_config
 from . import manifest as mf
 from .catalog import Catalog, CommitBatch
 from .chunks import CODEC_ZSTD, DEFAULT_CHUNK_SIZE, ChunkLocation, chunk_id
+from .config import Flush, TierConfig
 from .engine import BufferPool, Pipeline, SaveHandle, SaveJob, capture
 from .errors import (
     AmbiguousRefError,
@@ -38,13 +42,15 @@ from .errors import (
     SaveFailedError,
     StoreClosedError,
 )
-from .files import canonical_json
+from .files import canonical_json, copy_file, write_new
+from .flush import Flusher
 from .manifest import Manifest, TensorInfo
 from .refs import HEX_ID, check_name
 from .statetree import SKIP, dtype_from_name, flatten, unflatten
 from .tier import Tier
 from .versions import Version, decode_record, encode_record, plain_json, record_dict
 
+log = logging.getLogger("datastates")
 _REF_SUFFIX = re.compile(r"^(.*?)((?:~\d*|\^)+)$")
 _ALIASES = {"optimizer": ("optim", "opt"), "optim": ("optimizer", "opt"), "scheduler": ("lr_scheduler", "sched"),
             "lr_scheduler": ("scheduler", "sched"), "scaler": ("grad_scaler",)}
@@ -65,10 +71,20 @@ class Store:
     """A versioned model-state store rooted at a directory. Use `Store.open`."""
 
     def __init__(self, tier: Tier, catalog: Catalog, *, chunk_size: int, pool_bytes: int, verify: bool,
-                 zstd_level: int, workers: int) -> None:
+                 zstd_level: int, workers: int, cold: Tier | None = None, tiering: TierConfig | None = None,
+                 root: Path | None = None) -> None:
         self.tier = tier
-        self.tiers = [tier]
+        """The tier saves write to (the hot tier when there are two)."""
+        self.hot = tier
+        self.cold = cold
+        self.tiers = [tier] if cold is None else [tier, cold]
+        self.root = root or tier.root
+        self.tiering = tiering or TierConfig()
         self.catalog = catalog
+        self._flush_counts: dict[str | None, int] = {}
+        self._pack_used: dict[str, float] = {}
+        self._evict_lock = threading.Lock()
+        self.flusher: Flusher | None = None
         self.chunk_size = chunk_size
         self.verify = verify
         self._closed = False
@@ -95,14 +111,76 @@ class Store:
     # opening -------------------------------------------------------------------
     @classmethod
     def open(cls, path: str | os.PathLike[str], *, create: bool = True, chunk_size: int | None = None,
-             pool_bytes: int | None = None, verify: bool = True, zstd_level: int = 0, workers: int = 2) -> Store:
+             pool_bytes: int | None = None, verify: bool = True, zstd_level: int = 0, workers: int = 2,
+             hot: str | os.PathLike[str] | None = None, hot_capacity: str | int | None = None,
+             flush: Flush | None = None, promote: bool | None = None) -> Store:
         """Open (and by default create) the store at `path`.
 
+        With `hot=DIR`, `path` is the cold tier (shared, the truth) and DIR the
+        node-local hot tier that saves land on; the flusher copies versions to
+        cold in the background (`flush=Flush(every=N)` or `tagged_only`), and
+        `hot_capacity` ("200GiB") bounds hot by evicting flushed packs (LRU).
+        These settings are kept in `path/config.toml`, so a later open of
+        `path` alone (CLI, server) sees the same tiers.
         Raises StoreFormatError for a newer format or a non-store directory,
         NotFoundError when `create=False` and nothing is there. A missing
         catalog is rebuilt from the tier files.
         """
         root = Path(path).expanduser()
+        saved = None
+        try:
+            saved = tier_config.load(root)
+        except OSError:
+            saved = None  # cold unreachable: go on with what the caller gave
+        hot_dir = hot if hot is not None else (saved.hot if saved else None)
+        if hot_dir is None:
+            return cls._open_single(root, create, chunk_size, pool_bytes, verify, zstd_level, workers)
+        cfg = TierConfig(hot=str(Path(hot_dir).expanduser()),
+                         hot_capacity=tier_config.parse_size(hot_capacity) if hot_capacity is not None
+                         else (saved.hot_capacity if saved else None),
+                         flush=flush or (saved.flush if saved else Flush()),
+                         promote=promote if promote is not None else (saved.promote if saved else True))
+        hot_tier = Tier(Path(cfg.hot or ""), "hot")
+        cold_tier = Tier(root, "cold", shared=True)
+        hot_info = hot_tier.read_format()
+        try:
+            cold_info = cold_tier.read_format()
+            cold_ok = True
+        except OSError:
+            cold_info, cold_ok = None, False
+        if cold_info is None and hot_info is not None and not root.exists():
+            cold_ok = False  # the shared file system is not mounted: keep saving on hot
+        if hot_info is None and cold_info is None and not create:
+            raise NotFoundError(f"no store at {root}; run `datastates init --store {root}` or pass create=True")
+        settings = {"chunk_size": chunk_size or int((cold_info or hot_info or {}).get(  # type: ignore[call-overload]
+            "chunk_size", DEFAULT_CHUNK_SIZE))}
+        if cold_ok and cold_info is None:
+            cold_tier.create(settings)
+        if hot_info is None:
+            hot_tier.create(settings)
+        if cold_ok and (saved is None or saved != cfg):
+            tier_config.save(root, cfg)
+        size = int(settings["chunk_size"])
+        _check_chunk_size(size)
+        had_catalog = (hot_tier.root / "catalog" / "data.mdb").exists()
+        catalog = Catalog(hot_tier.root / "catalog")
+        store = cls(hot_tier, catalog, chunk_size=size, pool_bytes=pool_bytes or _default_pool_bytes(),
+                    verify=verify, zstd_level=zstd_level, workers=workers, cold=cold_tier, tiering=cfg, root=root)
+        if not had_catalog and any(next(t.iter_ids("versions", "json"), None) for t in store.tiers):
+            from .fsck import rebuild_catalog
+
+            rebuild_catalog(store)
+        if cold_ok:
+            try:
+                store.refresh()  # refs (and versions) other processes published to cold
+            except OSError as exc:
+                log.warning("cold tier %s unreadable at open (%s); working from hot", root, exc)
+        store._start_flusher()
+        return store
+
+    @classmethod
+    def _open_single(cls, root: Path, create: bool, chunk_size: int | None, pool_bytes: int | None, verify: bool,
+                     zstd_level: int, workers: int) -> Store:
         tier = Tier(root)
         info = tier.read_format()
         if info is None:
@@ -111,8 +189,7 @@ class Store:
             tier.create({"chunk_size": chunk_size or DEFAULT_CHUNK_SIZE})
             info = tier.read_format() or {}
         size = int(chunk_size or info.get("chunk_size", DEFAULT_CHUNK_SIZE))  # type: ignore[call-overload]
-        if size <= 0 or size % 64:
-            raise ValueError(f"chunk_size {size} must be a positive multiple of 64 bytes")
+        _check_chunk_size(size)
         had_catalog = (root / "catalog" / "data.mdb").exists()
         catalog = Catalog(root / "catalog")
         store = cls(tier, catalog, chunk_size=size, pool_bytes=pool_bytes or _default_pool_bytes(), verify=verify,
@@ -123,6 +200,17 @@ class Store:
             rebuild_catalog(store)
         return store
 
+    def _start_flusher(self) -> None:
+        """Start the flusher and queue what an earlier process left unflushed (commit order)."""
+        self.flusher = Flusher(self)
+        pending = []
+        for vid, data in self.catalog.records():
+            extra = self.catalog.extra(vid)
+            if extra.get("flush") == "pending" and not extra.get("cold"):
+                pending.append((json.loads(data).get("created", 0.0), vid))
+        for _, vid in sorted(pending):
+            self.flusher.enqueue(vid)
+
     def __enter__(self) -> Store:
         return self
 
@@ -131,7 +219,8 @@ class Store:
 
     @property
     def path(self) -> Path:
-        return self.tier.root
+        """The store directory the user opened (the cold tier when there are two)."""
+        return self.root
 
     def _invalidate(self) -> None:
         self._table = None
@@ -165,10 +254,13 @@ class Store:
         self._closed = True
         try:
             self.pipeline.stop()
+            if self.flusher is not None:
+                self.flusher.stop(drain=True)
         finally:
             atexit.unregister(self._atexit)
             self._readers.shutdown()
-            self.tier.close()
+            for t in self.tiers:
+                t.close()
             self.catalog.close()
         if raise_errors:
             self._raise_pending()
@@ -262,11 +354,147 @@ class Store:
             self.tier.write_record(vid, data)
             job.timings["durable_s"] = time.perf_counter() - job.t0
             packs = {w.id: {"size": w.size, "chunks": w.count, "tier": self.tier.name} for w in job.packs}
-            self.catalog.commit(CommitBatch(vid, data, parents, list(job.new_chunks.items()), packs,
-                                            {"timings": job.timings}))
+            extra: dict[str, Any] = {"timings": job.timings}
+            to_flush = self._wants_flush(branch)
+            if to_flush:
+                extra["flush"] = "pending"
+            self.catalog.commit(CommitBatch(vid, data, parents, list(job.new_chunks.items()), packs, extra))
             if branch:
                 refs.set_if_equals("branch", branch, head, vid, f"save: {req['message']}".strip(), locked=True)
+        for w in job.packs:
+            self._pack_used[w.id] = time.monotonic()
+        if to_flush and self.flusher is not None:
+            self.flusher.enqueue(vid)
+        job.handle._flushed = lambda timeout: self._wait_flushed(vid, timeout)
+        self._evict()
         return decode_record(vid, data, timings=dict(job.timings))
+
+    # tiers ---------------------------------------------------------------------------
+    def _wants_flush(self, branch: str | None) -> bool:
+        if self.cold is None or self.tiering.flush.tagged_only:
+            return False
+        n = self._flush_counts[branch] = self._flush_counts.get(branch, 0) + 1
+        return n % max(1, self.tiering.flush.every) == 0
+
+    def _wait_flushed(self, vid: str, timeout: float | None) -> bool:
+        if self.cold is None:
+            return True
+        if self.flusher is not None:
+            self.flusher.wait(timeout, vid)
+        return bool(self.catalog.extra(vid).get("cold"))
+
+    def flush(self, ref: Any = None, timeout: float | None = None) -> bool:
+        """Wait until the flusher's backlog is on cold (queueing `ref` first, if given); True if done."""
+        if self.flusher is None:
+            return True
+        if ref is not None:
+            vid = self.resolve(ref)
+            self._mark_pending(vid)
+            self.flusher.enqueue(vid)
+        return self.flusher.wait(timeout)
+
+    def _mark_pending(self, vid: str) -> None:
+        extra = self.catalog.extra(vid)
+        if not extra.get("cold"):
+            extra["flush"] = "pending"
+            self.catalog.set_extra(vid, extra)
+
+    def where(self, ref: Any) -> list[str]:
+        """Names of the tiers that hold the version wholly (record, manifests, every pack)."""
+        v = self.version(ref)
+        packs: set[str] = set()
+        if not v.pruned:
+            for mid in v.manifests.values():
+                m = self.manifest(mid)
+                packs |= {loc.pack for r in m.rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
+        out = []
+        for t in self.tiers:
+            try:
+                ok = t.record_path(v.id).exists() and all(t.manifest_path(mid).exists() for mid in v.manifests.values())
+                ok = ok and all(t.pack_path(p).exists() for p in packs)
+            except OSError:
+                ok = False
+            if ok:
+                out.append(t.name)
+        return out
+
+    def refresh(self) -> dict[str, int]:
+        """See what other hosts flushed to the shared cold tier: index their packs and versions and
+        fast-forward local refs to cold's. Returns counts of what was added."""
+        from .lineage import is_ancestor
+        from .packs import list_packs, read_index
+
+        counts = {"packs": 0, "versions": 0, "refs": 0}
+        if self.cold is None:
+            return counts
+        known = set(self.catalog.packs())
+        for path in list_packs(self.cold.root / "packs"):
+            pack = path.name.removesuffix(".pack")
+            if pack not in known:
+                idx = read_index(path)
+                self.catalog.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx),
+                                                    "tier": "cold"}, idx)
+                counts["packs"] += 1
+        for vid in self.cold.iter_ids("versions", "json"):
+            if self.catalog.record(vid) is None:
+                data = self.cold.read_record(vid)
+                if data is not None and blake3.blake3(data).hexdigest() == vid:
+                    self.catalog.commit(CommitBatch(vid, data, list(json.loads(data).get("parents", [])),
+                                                    extra={"cold": True}))
+                    counts["versions"] += 1
+        for kind in ("branch", "tag"):
+            for name, cid in self.cold.refs.names(kind).items():  # type: ignore[arg-type]
+                mine = self.hot.refs.get(kind, name)  # type: ignore[arg-type]
+                if self.catalog.record(cid) is None or mine == cid:
+                    continue
+                if mine is None or (kind == "branch" and is_ancestor(self.graph, mine, cid)):
+                    with self.hot.refs.locked():
+                        self.hot.refs.set_if_equals(kind, name, mine, cid, "refresh from cold",  # type: ignore[arg-type]
+                                                    locked=True)
+                    counts["refs"] += 1
+        return counts
+
+    def tiers_status(self) -> list[dict[str, Any]]:
+        """Per tier: path, bytes in packs, capacity, pack count, reachability; and the flush backlog."""
+        out = []
+        for t in self.tiers:
+            try:
+                sizes = [p.stat().st_size for p in (t.root / "packs").glob("*.pack")]
+                reachable = t.root.is_dir()
+            except OSError:
+                sizes, reachable = [], False
+            out.append({"tier": t.name, "path": str(t.root), "bytes": sum(sizes), "packs": len(sizes),
+                        "capacity": self.tiering.hot_capacity if t is self.hot and self.cold else None,
+                        "reachable": reachable})
+        if self.flusher is not None:
+            out[-1].update({"backlog": self.flusher.backlog, "last_error": self.flusher.last_error,
+                            "conflicts": list(self.flusher.conflicts)})
+        return out
+
+    def _evict(self) -> None:
+        """Keep hot under its capacity: drop least recently used packs that are durable on cold."""
+        cap = self.tiering.hot_capacity
+        if self.cold is None or cap is None:
+            return
+        with self._evict_lock:
+            packs = {p.name.removesuffix(".pack"): p.stat().st_size for p in (self.hot.root / "packs").glob("*.pack")}
+            used = sum(packs.values())
+            if used <= cap:
+                return
+            # The id starts with its creation time, so unused packs fall back to oldest first.
+            order = sorted(packs, key=lambda p: (self._pack_used.get(p, 0.0), p))
+            for pack in order:
+                if used <= cap:
+                    break
+                try:
+                    on_cold = self.cold.pack_path(pack).stat().st_size == packs[pack]
+                except OSError:
+                    on_cold = False
+                if not on_cold:
+                    continue  # never drop the only durable copy
+                self.hot.reader.forget(pack)
+                self.hot.pack_path(pack).unlink(missing_ok=True)
+                used -= packs[pack]
 
     # refs ------------------------------------------------------------------------
     def resolve(self, ref: Any) -> str:
@@ -345,9 +573,9 @@ class Store:
         if force:
             with self.tier.refs.locked():
                 old = self.tier.refs.get("branch", name)
-                self.tier.refs.set_if_equals("branch", name, old, vid, f"branch -f {at}", locked=True)
+                self.tier.refs.set_if_equals("branch", name, old, vid, f"branch -f {_label(at)}", locked=True)
         else:
-            self.tier.refs.add_if_new("branch", name, vid, f"branch at {at}")
+            self.tier.refs.add_if_new("branch", name, vid, f"branch at {_label(at)}")
         return vid
 
     def delete_branch(self, name: str) -> str:
@@ -358,7 +586,11 @@ class Store:
         """Create an immutable tag. Raises ConflictError if it exists (delete it first)."""
         check_name(name, "tag")
         vid = self.resolve(ref)
-        self.tier.refs.add_if_new("tag", name, vid, message or f"tag {ref}")
+        self.tier.refs.add_if_new("tag", name, vid, message or f"tag {_label(ref)}")
+        if self.flusher is not None:
+            # Tagged versions always reach cold (and the tag with them).
+            self._mark_pending(vid)
+            self.flusher.enqueue(vid)
         return vid
 
     def delete_tag(self, name: str) -> str:
@@ -488,19 +720,36 @@ class Store:
     def manifest(self, mid: str) -> Manifest:
         m = self._manifests.get(mid)
         if m is None:
-            m = Manifest(mid, self.tier.read_manifest(mid), verify=self.verify)
+            m = Manifest(mid, self._read_manifest_bytes(mid), verify=self.verify)
             if len(self._manifests) > 256:
                 self._manifests.clear()
             self._manifests[mid] = m
         return m
 
+    def _read_manifest_bytes(self, mid: str) -> bytes:
+        err: Exception | None = None
+        for t in self.tiers:
+            try:
+                data = t.read_manifest(mid)
+            except (NotFoundError, OSError) as exc:
+                err = exc
+                continue
+            if t is not self.hot:
+                try:  # manifests are small: keep a copy on hot so restarts do not need cold
+                    write_new(self.hot.manifest_path(mid), data)
+                except OSError:
+                    pass
+            return data
+        assert err is not None
+        raise err
+
     def manifest_of(self, v: Version, rank: int = 0) -> Manifest:
         if v.pruned:
             raise PrunedError(f"version {v.short} was pruned: its record is kept for lineage, its tensors are gone")
-        try:
-            return self.manifest(v.manifests[str(rank)])
-        except KeyError:
-            raise NotFoundError(f"version {v.short} has no rank {rank} (world size {v.world_size})") from None
+        mid = v.manifests.get(str(rank))
+        if mid is None:
+            raise NotFoundError(f"version {v.short} has no rank {rank} (world size {v.world_size})")
+        return self.manifest(mid)
 
     def ls(self, ref: Any = "main", rank: int = 0) -> list[TensorInfo]:
         """The tensors of a version with dtype, shape, bytes and stats; reads no tensor bytes."""
@@ -574,18 +823,68 @@ class Store:
         return out
 
     def _read_chunk(self, cid: bytes, loc: ChunkLocation, out: memoryview, key: str) -> None:
-        if loc.codec == CODEC_ZSTD:
-            import zstandard
+        """Read and verify one chunk: hot first, then cold. A cold read may promote the pack
+        into hot; a corrupt hot copy is replaced by a good cold one (logged)."""
+        errors: list[Exception] = []
+        for t in self.tiers:
+            try:
+                self._read_chunk_from(t, cid, loc, out, key)
+            except NotFoundError as exc:
+                errors.append(exc)
+                continue
+            except IntegrityError as exc:
+                errors.append(exc)
+                continue
+            if t is not self.hot:
+                self._after_cold_read(loc.pack, repair=any(isinstance(e, IntegrityError) for e in errors))
+            else:
+                self._pack_used[loc.pack] = time.monotonic()
+            return
+        corrupt = [e for e in errors if isinstance(e, IntegrityError)]
+        if corrupt:
+            raise corrupt[0]
+        raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is on no reachable tier: "
+                            + "; ".join(str(e) for e in errors))
 
-            data = zstandard.ZstdDecompressor().decompress(self.tier.reader.read(loc), max_output_size=loc.raw_length)
-            out[:] = data[: loc.raw_length] if len(data) == loc.raw_length else data + b"\0" * 0
-        else:
-            self.tier.reader.read_into(loc, out)
+    def _read_chunk_from(self, t: Tier, cid: bytes, loc: ChunkLocation, out: memoryview, key: str) -> None:
+        try:
+            if loc.codec == CODEC_ZSTD:
+                import zstandard
+
+                data = zstandard.ZstdDecompressor().decompress(t.reader.read(loc), max_output_size=loc.raw_length)
+                if len(data) != loc.raw_length:
+                    raise IntegrityError(f"chunk {cid.hex()[:16]} of {key!r} decodes to {len(data)} bytes, "
+                                         f"not {loc.raw_length}; run `datastates fsck`")
+                out[:] = data
+            else:
+                t.reader.read_into(loc, out)
+        except OSError as exc:
+            raise NotFoundError(f"pack {loc.pack} is unreadable on tier {t.name}: {exc}") from exc
+        except ValueError as exc:  # zstd errors on damaged frames
+            raise IntegrityError(f"chunk {cid.hex()[:16]} of tensor {key!r} in pack {loc.pack} does not decode "
+                                 f"on tier {t.name}: {exc}; run `datastates fsck`") from exc
         if self.verify and chunk_id(out) != cid:
             raise IntegrityError(
                 f"chunk {cid.hex()[:16]} of tensor {key!r} in pack {loc.pack} at offset {loc.offset} is corrupt "
-                f"(blake3 mismatch) on tier {self.tier.name}; run `datastates fsck`"
+                f"(blake3 mismatch) on tier {t.name}; run `datastates fsck`"
             )
+
+    def _after_cold_read(self, pack: str, repair: bool) -> None:
+        assert self.cold is not None
+        src, dst = self.cold.pack_path(pack), self.hot.pack_path(pack)
+        try:
+            if repair:
+                log.warning("pack %s was corrupt on hot; replaced it with the good copy from cold", pack)
+                self.hot.reader.forget(pack)
+                copy_file(src, dst, overwrite=True)
+            elif self.tiering.promote and not dst.exists():
+                cap = self.tiering.hot_capacity
+                used = sum(p.stat().st_size for p in (self.hot.root / "packs").glob("*.pack"))
+                if cap is None or used + src.stat().st_size <= cap:
+                    copy_file(src, dst)
+            self._pack_used[pack] = time.monotonic()
+        except OSError as exc:  # promotion is an optimisation; the read already succeeded
+            log.warning("could not copy pack %s into hot: %s", pack, exc)
 
     def read_chunk(self, cid: bytes, key: str = "?") -> bytes:
         """The raw bytes of one chunk, verified. Raises NotFoundError, IntegrityError."""
@@ -657,6 +956,18 @@ class Store:
 
         self.wait()
         return fsck(self, repair=repair, rebuild=rebuild)
+
+
+def _label(ref: Any) -> str:
+    """A short printable name for a ref argument (reflog messages)."""
+    if isinstance(ref, Version):
+        return ref.short
+    return str(ref) if isinstance(ref, str) else type(ref).__name__
+
+
+def _check_chunk_size(size: int) -> None:
+    if size <= 0 or size % 64:
+        raise ValueError(f"chunk_size {size} must be a positive multiple of 64 bytes")
 
 
 def _key_selector(keys: list[str], existing: list[str], v: Version) -> Any:

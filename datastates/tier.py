@@ -32,10 +32,11 @@ from .versions import FORMAT
 class Tier:
     """One storage level (hot node-local, or cold shared)."""
 
-    def __init__(self, root: Path, name: str = "hot") -> None:
+    def __init__(self, root: Path, name: str = "hot", shared: bool = False) -> None:
         self.root = root
         self.name = name
-        self.refs = RefStore(root)
+        self.shared = shared
+        self.refs = RefStore(root, shared=shared)
         self.reader = PackReader(root / "packs")
 
     # format ------------------------------------------------------------------
