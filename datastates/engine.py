@@ -185,6 +185,8 @@ class SaveJob:
     timings: dict[str, float] = field(default_factory=dict)
     capture_error: BaseException | None = None
     t0: float = field(default_factory=time.perf_counter)
+    slots_done: bool = False
+    """The pipeline took the end-of-slots marker (nothing more will come)."""
     go: threading.Event = field(default_factory=threading.Event)
     """Set when the background may start: capture finished, or it waits for slots. Until then
     hashing stays off the cores so the caller's copy runs at full speed."""
@@ -333,11 +335,12 @@ class Pipeline:
 
     def _drain(self, job: SaveJob) -> None:
         # The capture may still be filling slots: keep taking them back so it cannot block forever.
-        try:
-            while (slot := job.slots.get()) is not None:
+        while not job.slots_done:
+            slot = job.slots.get()
+            if slot is None:
+                job.slots_done = True
+            else:
                 self.pool.release(slot)
-        except Exception:
-            pass
 
     def _process(self, job: SaveJob) -> None:
         window: deque[tuple[Slot, Future[list[tuple[bytes, Partial | None, bytes | None]]]]] = deque()
@@ -348,6 +351,7 @@ class Pipeline:
                 window.append((slot, self._workers.submit(_hash_slot, slot, job.entries, self.zstd_level)))
                 if len(window) >= 2:
                     self._write(job, *window.popleft())
+            job.slots_done = True
             while window:
                 self._write(job, *window.popleft())
         finally:

@@ -1,0 +1,31 @@
+"""Saves forever into a tiered store, printing COMMITTED <id> <step> after each durable save.
+
+Run as: python tiered_saver.py COLD HOT START_STEP
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+import datastates as ds
+
+
+def state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {"big": torch.randn(512 * 1024, generator=g), "small": torch.full((16,), float(step))}
+
+
+def main() -> None:
+    cold, hot, start = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    store = ds.Store.open(cold, hot=hot, flush=ds.Flush(every=1))
+    step = start
+    while True:
+        v = store.save(state(step), step=step)
+        print(f"COMMITTED {v.id} {step}", flush=True)
+        step += 1
+
+
+if __name__ == "__main__":
+    main()

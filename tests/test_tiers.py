@@ -1,0 +1,285 @@
+"""Two tiers: node-local hot over a shared cold directory, flush, eviction, restart, repair, failures."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import datastates as ds
+from datastates import files
+
+HELPER = Path(__file__).parent / "helpers" / "tiered_saver.py"
+MiB = 1 << 20
+
+
+def _state(i: int, n: int = 256 * 1024) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((n,), float(i)), "i": torch.tensor(i)}
+
+
+def _packs(d: Path) -> list[Path]:
+    return sorted((d / "packs").glob("*.pack"))
+
+
+def test_save_lands_on_hot_then_flushes_to_cold(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    h = s.save_async(_state(1), step=1)
+    v = h.result()
+    assert h.flushed(timeout=30) is True
+    assert s.where(v) == ["hot", "cold"]
+    assert (tmp_path / "cold" / "refs" / "heads" / "main").read_text().strip() == v.id
+    assert [p.name for p in _packs(tmp_path / "hot")] == [p.name for p in _packs(tmp_path / "cold")]
+    s.close()
+    assert "hot = " in (tmp_path / "cold" / "config.toml").read_text()
+
+
+def test_eviction_keeps_hot_under_capacity_and_reads_fall_back_to_cold(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot", hot_capacity=3 * MiB, promote=False)
+    vs = []
+    for i in range(6):
+        h = s.save_async(_state(i), step=i)  # 1 MiB of new bytes each
+        vs.append(h.result())
+        assert h.flushed(timeout=30)
+        s._evict()
+    assert sum(p.stat().st_size for p in _packs(tmp_path / "hot")) <= 3 * MiB
+    assert s.where(vs[0]) == ["cold"]
+    assert s.where(vs[-1]) == ["hot", "cold"]
+    assert s.load(vs[0])["w"][0].item() == 0.0
+    assert len(_packs(tmp_path / "cold")) == 6
+    s.close()
+
+
+def test_eviction_never_drops_the_only_copy(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    s = ds.Store.open(cold, hot=tmp_path / "hot", hot_capacity=1 * MiB)
+    s.close()
+    os.rename(cold, tmp_path / "away")  # cold unreachable: nothing can be flushed
+    s = ds.Store.open(cold, hot=tmp_path / "hot", hot_capacity=1 * MiB)
+    vs = [s.save(_state(i), step=i) for i in range(3)]
+    s._evict()
+    assert len(_packs(tmp_path / "hot")) == 3  # over capacity, but nothing is on cold yet
+    assert [s.load(v)["w"][0].item() for v in vs] == [0.0, 1.0, 2.0]
+    assert s.tiers_status()[-1]["backlog"] >= 1
+    os.rename(tmp_path / "away", cold)
+    assert s.flush(timeout=30)
+    assert all(s.where(v) == ["hot", "cold"] for v in vs)
+    s.close()
+
+
+def test_restart_with_empty_hot_loads_everything_from_cold(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    vs = [s.save(_state(i), step=i) for i in range(3)]
+    s.tag("best", vs[1])
+    s.flush(timeout=30)
+    s.close()
+    shutil.rmtree(tmp_path / "hot")
+    s = ds.Store.open(tmp_path / "cold")  # tiers come from config.toml
+    assert s.hot.root == tmp_path / "hot"
+    assert s.resolve("main") == vs[-1].id
+    assert s.resolve("best") == vs[1].id
+    assert [s.load(v)["w"][0].item() for v in vs] == [0.0, 1.0, 2.0]
+    s.close()
+
+
+def test_intact_hot_loads_without_touching_cold(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    s = ds.Store.open(cold, hot=tmp_path / "hot")
+    vs = [s.save(_state(i), step=i) for i in range(2)]
+    s.flush(timeout=30)
+    s.close()
+    os.rename(cold, tmp_path / "away")
+    s = ds.Store.open(cold, hot=tmp_path / "hot")
+    assert not cold.exists()
+    assert [s.load(v)["w"][0].item() for v in vs] == [0.0, 1.0]
+    assert s.resolve("main") == vs[-1].id
+    v = s.save(_state(9), step=9)  # saves keep landing on hot
+    assert s.where(v) == ["hot"]
+    assert not cold.exists()  # the flusher never writes into a missing mount point
+    s.close()
+
+
+def test_lost_catalog_is_rebuilt_from_tier_files(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    vs = [s.save(_state(i), step=i, metrics={"loss": 1.0 / (i + 1)}) for i in range(3)]
+    s.annotate(vs[0], val=0.5)
+    s.flush(timeout=30)
+    s.close()
+    shutil.rmtree(tmp_path / "hot" / "catalog")
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    assert [v.id for v in s.log("main")] == [v.id for v in reversed(vs)]
+    assert s.version(vs[0]).annotations["val"] == 0.5
+    assert s.load(vs[2])["i"].item() == 2
+    assert s.where(vs[0]) == ["hot", "cold"]
+    s.close()
+
+
+def test_two_hosts_share_one_cold_tier(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    a = ds.Store.open(cold, hot=tmp_path / "hot-a")
+    b = ds.Store.open(cold, hot=tmp_path / "hot-b")
+    va = a.save(_state(1), branch="host-a", step=1)
+    vb = b.save(_state(2), branch="host-b", step=2)
+    assert a.flush(timeout=30) and b.flush(timeout=30)
+    assert a.refresh()["versions"] == 1
+    b.refresh()
+    assert a.resolve("host-b") == vb.id
+    assert b.resolve("host-a") == va.id
+    assert a.load("host-b")["w"][0].item() == 2.0
+    assert b.load(va)["i"].item() == 1
+    a.close()
+    b.close()
+
+
+def test_racing_hosts_on_one_branch_lose_nothing(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    a = ds.Store.open(cold, hot=tmp_path / "hot-a")
+    b = ds.Store.open(cold, hot=tmp_path / "hot-b")
+    va = a.save(_state(1), step=1)
+    vb = b.save(_state(2), step=2)  # b never saw a's version: the histories diverge
+    assert a.flush(timeout=30) and b.flush(timeout=30)
+    heads = (cold / "refs" / "heads" / "main").read_text().strip()
+    assert heads in (va.id, vb.id)
+    loser = vb if heads == va.id else va
+    flusher = (b if loser is vb else a).flusher
+    assert flusher is not None and any("not an ancestor" in c for c in flusher.conflicts)
+    assert (cold / "versions" / loser.id[:2] / f"{loser.id}.json").exists()  # still reachable by id
+    c = ds.Store.open(cold, hot=tmp_path / "hot-c")
+    assert c.load(loser)["i"].item() == loser.step
+    for s in (a, b, c):
+        s.close()
+
+
+def test_corrupt_hot_chunk_falls_back_to_cold_and_repairs_hot(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    v = s.save(_state(3), step=3)
+    s.flush(timeout=30)
+    hot_pack = _packs(tmp_path / "hot")[0]
+    good = hot_pack.read_bytes()
+    data = bytearray(good)
+    data[5000] ^= 0xFF
+    hot_pack.write_bytes(bytes(data))
+    s.hot.reader.forget(hot_pack.name.removesuffix(".pack"))
+    assert s.load(v)["w"][0].item() == 3.0
+    assert hot_pack.read_bytes() == good  # repaired from cold
+    hot_pack.write_bytes(bytes(data))
+    s.hot.reader.forget(hot_pack.name.removesuffix(".pack"))
+    rep = s.fsck()
+    assert [c["tier"] for c in rep.corrupt_chunks] == ["hot"]
+    rep = s.fsck(repair=True)
+    assert any("good copy from cold" in r for r in rep.repaired)
+    assert s.fsck().ok
+    assert hot_pack.read_bytes() == good
+    s.close()
+
+
+def _small_tmpfs(path: Path, size: str) -> bool:
+    path.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return r.returncode == 0
+
+
+def test_disk_full_on_hot_fails_cleanly_and_recovers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real size-limited tmpfs where the machine allows mounting; else ENOSPC injected at the write call."""
+    hot = tmp_path / "hot"
+    mounted = _small_tmpfs(hot, "6m")
+    try:
+        s = ds.Store.open(tmp_path / "cold", hot=hot, flush=ds.Flush(tagged_only=True))
+        v1 = s.save(_state(1), step=1)
+        if not mounted:
+            real = files.write_all
+            calls = {"n": 0}
+
+            def failing(fd: int, data: memoryview | bytes) -> int:
+                calls["n"] += 1
+                if calls["n"] > 2:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return real(fd, data)
+
+            monkeypatch.setattr("datastates.packs.write_all", failing)
+        with pytest.raises(ds.StorageFullError) as err:
+            s.save({"w": torch.randn(2 * MiB)}, step=2)  # 8 MiB: does not fit
+        assert err.value.errno == errno.ENOSPC
+        assert "no space left" in str(err.value)
+        with pytest.raises(ds.SaveFailedError):  # reported again on the next call, never swallowed
+            s.wait()
+        assert s.resolve("main") == v1.id
+        assert s.catalog.version_count() == 1
+        assert not list((hot / "packs").glob("*.tmp"))
+        assert s.load(v1)["w"][0].item() == 1.0
+        monkeypatch.undo()
+        v3 = s.save(_state(3, n=1000), step=3)
+        assert s.load(v3)["i"].item() == 3
+        assert s.version("main").parents == (v1.id,)
+        s.close()
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(hot)], check=False)
+
+
+def test_flush_policies_every_and_tagged_only(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "c1", hot=tmp_path / "h1", flush=ds.Flush(every=2))
+    vs = [s.save(_state(i, 100), step=i) for i in range(4)]
+    s.flush(timeout=30)
+    assert [s.where(v) for v in vs] == [["hot"], ["hot", "cold"], ["hot"], ["hot", "cold"]]
+    s.close()
+    s = ds.Store.open(tmp_path / "c2", hot=tmp_path / "h2", flush=ds.Flush(tagged_only=True))
+    vs = [s.save(_state(i, 100), step=i) for i in range(3)]
+    s.tag("keep", vs[1])
+    s.flush(timeout=30)
+    assert [s.where(v) for v in vs] == [["hot"], ["hot", "cold"], ["hot"]]
+    assert (tmp_path / "c2" / "refs" / "tags" / "keep").read_text().strip() == vs[1].id
+    s.close()
+
+
+@pytest.mark.parametrize("kills", [6])
+def test_kill_during_save_and_flush_keeps_store_consistent(tmp_path: Path, kills: int) -> None:
+    _kill_loop(tmp_path, kills, seed=1)
+
+
+@pytest.mark.slow
+def test_kill_during_save_and_flush_many_sample(tmp_path: Path) -> None:
+    _kill_loop(tmp_path, 25, seed=2)
+
+
+def _kill_loop(tmp_path: Path, kills: int, seed: int) -> None:
+    rng = random.Random(seed)
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    committed: dict[str, int] = {}
+    step = 0
+    for _ in range(kills):
+        p = subprocess.Popen([sys.executable, str(HELPER), str(cold), str(hot), str(step)],
+                             stdout=subprocess.PIPE, text=True)
+        time.sleep(rng.uniform(1.0, 2.5))
+        p.send_signal(signal.SIGKILL)
+        out, _ = p.communicate()
+        for line in out.splitlines():
+            if line.startswith("COMMITTED "):
+                _, vid, st = line.split()
+                committed[vid] = int(st)
+                step = max(step, int(st) + 1)
+    sys.path.insert(0, str(HELPER.parent))
+    try:
+        from tiered_saver import state
+    finally:
+        sys.path.pop(0)
+    s = ds.Store.open(cold, hot=hot)
+    assert committed
+    for vid, st in committed.items():
+        got = s.load(vid)
+        assert torch.equal(got["big"], state(st)["big"])
+    assert s.flush(timeout=60)
+    for vid in committed:
+        assert s.where(vid) == ["hot", "cold"]
+    s.fsck(repair=True)
+    rep = s.fsck()
+    assert rep.ok, rep.problems
+    s.close()
