@@ -196,6 +196,44 @@ def _history(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
+@_command("tiers")
+def _tiers(store: Store, args: argparse.Namespace) -> int:
+    rows = store.tiers_status()
+    if args.json:
+        _print_json(rows)
+        return 0
+    for r in rows:
+        cap = f" of {human_bytes(r['capacity'])}" if r.get("capacity") else ""
+        state = "" if r["reachable"] else "  UNREACHABLE"
+        print(f"{r['tier']:<5} {r['path']}  {human_bytes(r['bytes'])}{cap} in {r['packs']} packs{state}")
+        if "backlog" in r:
+            print(f"      flush backlog: {r['backlog']} version(s)"
+                  f"{'; last error: ' + r['last_error'] if r['last_error'] else ''}")
+            for c in r["conflicts"]:
+                print(f"      conflict: {c}")
+    return 0
+
+
+@_command("flush")
+def _flush(store: Store, args: argparse.Namespace) -> int:
+    if store.flusher is None:
+        print("this store has one tier; nothing to flush")
+        return 0
+    from tqdm import tqdm
+
+    total = store.flusher.backlog
+    with tqdm(total=total, unit="version", disable=not sys.stderr.isatty()) as bar:
+        done = False
+        while not done:
+            done = store.flush(timeout=0.5 if args.timeout is None else min(0.5, args.timeout))
+            bar.update(total - store.flusher.backlog - bar.n)
+            if args.timeout is not None and not done and store.flusher.failures:
+                break
+    left = store.flusher.backlog
+    print(f"flushed; backlog {left}" if not left else f"backlog {left}: {store.flusher.last_error}")
+    return 0 if not left else 1
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="datastates", description="A versioned model-state store for PyTorch.")
     p.add_argument("--store", default=os.environ.get("DATASTATES_STORE"),
@@ -239,6 +277,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("key")
     s.add_argument("ref", nargs="?", default="main")
     s.add_argument("--json", action="store_true")
+    s = sub.add_parser("tiers", help="usage and flush backlog per tier")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("flush", help="copy pending versions to the cold tier and wait")
+    s.add_argument("--timeout", type=float, default=None, help="give up after this many seconds of failures")
     s = sub.add_parser("demo", help="train a small model, saving into a local store, then print the log")
     s.add_argument("--steps", type=int, default=300)
     s.add_argument("--every", type=int, default=20)

@@ -115,6 +115,7 @@ class SaveHandle:
         self._done = threading.Event()
         self._version: Version | None = None
         self._error: BaseException | None = None
+        self._capture_error: BaseException | None = None
         self._flushed: Callable[[float | None], bool] | None = None
 
     @property
@@ -124,8 +125,9 @@ class SaveHandle:
     def wait_staged(self, timeout: float | None = None) -> bool:
         """Block until the tensors are copied; True if they are. Raises a capture error."""
         ok = self._staged.wait(timeout)
-        if self._error is not None and not self._version and self._done.is_set():
-                raise SaveFailedError(f"save failed while staging: {self._error}") from self._error
+        if self._capture_error is not None:
+            raise SaveFailedError(f"save failed while copying the state: {self._capture_error!r}") \
+                from self._capture_error
         return ok
 
     def done(self) -> bool:
@@ -184,6 +186,9 @@ class SaveJob:
     bytes_new: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     capture_error: BaseException | None = None
+    committed: bool = False
+    """The catalog names this version: its packs must never be deleted, whatever fails after."""
+    ticket: int = 0
     t0: float = field(default_factory=time.perf_counter)
     slots_done: bool = False
     """The pipeline took the end-of-slots marker (nothing more will come)."""
@@ -192,12 +197,40 @@ class SaveJob:
     hashing stays off the cores so the caller's copy runs at full speed."""
 
 
-def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None) -> None:
+class CaptureOrder:
+    """Captures run one at a time in submission order (the pipeline's order): a later save
+    holding pool slots that an earlier one needs to finish would deadlock a small pool."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next_ticket = 0
+        self._turn = 0
+
+    def ticket(self) -> int:
+        with self._cv:
+            t = self._next_ticket
+            self._next_ticket += 1
+            return t
+
+    def wait_turn(self, ticket: int) -> float:
+        t0 = time.perf_counter()
+        with self._cv:
+            while self._turn != ticket:
+                self._cv.wait()
+        return time.perf_counter() - t0
+
+    def done(self, ticket: int) -> None:
+        with self._cv:
+            self._turn = ticket + 1
+            self._cv.notify_all()
+
+
+def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: CaptureOrder | None = None) -> None:
     """Copy every stored byte of the job into pool slots, handing each full slot to the pipeline.
 
     Always ends the job's slot stream (with None), even on error.
     """
-    waited = 0.0
+    waited = order.wait_turn(job.ticket) if order is not None else 0.0
     slot: Slot | None = None
     t0 = time.perf_counter()
     try:
@@ -232,6 +265,7 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None) -> None:
             torch.cuda.current_stream().wait_stream(cuda_stream)
     except BaseException as exc:
         job.capture_error = exc
+        job.handle._capture_error = exc
         raise
     finally:
         job.timings["pool_wait_s"] = waited
@@ -241,6 +275,8 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None) -> None:
         for e in job.entries:
             e.source = None  # drop references to the caller's tensors
         job.handle._set_staged()
+        if order is not None:
+            order.done(job.ticket)
 
 
 def _hand_over(job: SaveJob, slot: Slot, cuda_stream: Any) -> None:
@@ -324,7 +360,8 @@ class Pipeline:
                 self._drain(job)
                 for w in job.packs:
                     w.abort()
-                    w.path.unlink(missing_ok=True)
+                    if not job.committed:
+                        w.path.unlink(missing_ok=True)
                 if self._on_error:
                     self._on_error(job, exc)
                 job.handle._finish(None, exc)
@@ -349,7 +386,9 @@ class Pipeline:
         try:
             while (slot := job.slots.get()) is not None:
                 window.append((slot, self._workers.submit(_hash_slot, slot, job.entries, self.zstd_level)))
-                if len(window) >= 2:
+                # Hash the next slot while writing this one, but never sit on slots waiting for more:
+                # the capture may need them back to go on (pool smaller than the state).
+                while window and (len(window) >= 2 or job.slots.empty()):
                     self._write(job, *window.popleft())
             job.slots_done = True
             while window:

@@ -14,7 +14,7 @@ import secrets
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from .errors import StorageFullError
 
@@ -96,17 +96,17 @@ def _write_tmp(final: Path, data: bytes) -> Path:
             os.close(fd)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise full_or(exc, final) from exc
+        raise_full_or(exc, final)
     return tmp
 
 
-def full_or(exc: OSError, path: Path) -> OSError:
-    """Turn ENOSPC/EDQUOT into StorageFullError naming `path`; return other errors as they are."""
+def raise_full_or(exc: OSError, path: Path) -> NoReturn:
+    """Re-raise `exc`, as StorageFullError naming `path` when the disk or quota is full."""
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageFullError(
+        raise StorageFullError(
             errno.ENOSPC, f"no space left while writing {path}; free space or raise the quota, then retry"
-        )
-    return exc
+        ) from exc
+    raise exc
 
 
 def write_new(final: Path, data: bytes) -> bool:
@@ -185,6 +185,6 @@ def copy_file(src: Path, dst: Path, *, overwrite: bool = False) -> bool:
                 tmp.unlink(missing_ok=True)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise full_or(exc, dst) from exc
+        raise_full_or(exc, dst)
     fsync_dir(dst.parent)
     return True

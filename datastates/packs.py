@@ -28,7 +28,7 @@ import numpy as np
 
 from .chunks import ChunkLocation
 from .errors import IntegrityError, NotFoundError
-from .files import fsync_dir, full_or, write_all
+from .files import fsync_dir, raise_full_or, write_all
 
 HEADER = b"DSPACK01"
 FOOTER_MAGIC = b"DSPKIDX1"
@@ -92,7 +92,7 @@ class PackWriter:
             write_all(self._fd, memoryview(data))  # type: ignore[arg-type]
         except OSError as exc:
             self.abort()
-            raise full_or(exc, self.tmp) from exc
+            raise_full_or(exc, self.tmp)
 
     def _append(self, data: memoryview | bytes) -> None:
         view = memoryview(data).cast("B")
@@ -158,7 +158,7 @@ class PackWriter:
             os.fsync(self._fd)
         except OSError as exc:
             self.abort()
-            raise full_or(exc, self.tmp) from exc
+            raise_full_or(exc, self.tmp)
         os.close(self._fd)
         self._fd = -1
         os.rename(self.tmp, self.path)

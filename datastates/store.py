@@ -31,7 +31,7 @@ from . import manifest as mf
 from .catalog import Catalog, CommitBatch
 from .chunks import CODEC_ZSTD, DEFAULT_CHUNK_SIZE, ChunkLocation, chunk_id
 from .config import Flush, TierConfig
-from .engine import BufferPool, Pipeline, SaveHandle, SaveJob, capture
+from .engine import BufferPool, CaptureOrder, Pipeline, SaveHandle, SaveJob, capture
 from .errors import (
     AmbiguousRefError,
     DataStatesError,
@@ -106,7 +106,15 @@ class Store:
                 s._drain_at_exit()
 
         self._atexit = drain
-        atexit.register(self._atexit)
+        # threading's exit hooks run before concurrent.futures stops its executors (and before
+        # atexit), so saves still in flight can use the hash workers to finish.
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            register(drain)
+        else:
+            atexit.register(drain)
+        self._capture_order = CaptureOrder()
+        self._step_hooks: weakref.WeakKeyDictionary[Any, list[SaveHandle]] = weakref.WeakKeyDictionary()
 
     # opening -------------------------------------------------------------------
     @classmethod
@@ -257,7 +265,7 @@ class Store:
             if self.flusher is not None:
                 self.flusher.stop(drain=True)
         finally:
-            atexit.unregister(self._atexit)
+            atexit.unregister(self._atexit)  # harmless if it was registered with threading instead
             self._readers.shutdown()
             for t in self.tiers:
                 t.close()
@@ -308,22 +316,44 @@ class Store:
         }
         tree, entries = flatten(state, allow_pickle=allow_pickle)
         handle = SaveHandle()
-        job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call)
+        job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
+                      ticket=self._capture_order.ticket())
         stream = self._stream_for(entries)
         self.pipeline.submit(job)
         if lazy:
+            if optimizer is not None:
+                self._wait_before_step(optimizer, handle)
             threading.Thread(target=self._capture_quietly, args=(job, stream), name="datastates-capture",
                              daemon=True).start()
-            if optimizer is not None:
-                _wait_before_step(optimizer, handle)
         else:
-            capture(job, self.pool, stream)
+            capture(job, self.pool, stream, self._capture_order)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
 
+    def _wait_before_step(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
+        """Make the optimizer's next step() wait until `handle` is staged.
+
+        One persistent pre-hook per optimizer waits for every lazy save
+        registered since the last step: removing a hook from inside
+        Optimizer.step would mutate the dict torch is iterating.
+        """
+        pending = self._step_hooks.get(optimizer)
+        if pending is None:
+            pending = self._step_hooks[optimizer] = []
+            hooks = self._step_hooks
+
+            def hook(opt: Any, args: Any, kwargs: Any) -> None:
+                waiting = hooks.get(opt, [])
+                while waiting:
+                    h = waiting.pop(0)
+                    h._staged.wait()  # a capture error is reported by result(), not by the step
+
+            optimizer.register_step_pre_hook(hook)
+        pending.append(handle)
+
     def _capture_quietly(self, job: SaveJob, stream: Any) -> None:
         try:
-            capture(job, self.pool, stream)
+            capture(job, self.pool, stream, self._capture_order)
         except BaseException:
             pass  # reported through the handle by the pipeline
 
@@ -359,6 +389,7 @@ class Store:
             if to_flush:
                 extra["flush"] = "pending"
             self.catalog.commit(CommitBatch(vid, data, parents, list(job.new_chunks.items()), packs, extra))
+            job.committed = True
             if branch:
                 refs.set_if_equals("branch", branch, head, vid, f"save: {req['message']}".strip(), locked=True)
         for w in job.packs:
@@ -366,7 +397,10 @@ class Store:
         if to_flush and self.flusher is not None:
             self.flusher.enqueue(vid)
         job.handle._flushed = lambda timeout: self._wait_flushed(vid, timeout)
-        self._evict()
+        try:
+            self._evict()
+        except OSError as exc:  # eviction is housekeeping; the save itself is durable
+            log.warning("eviction from hot failed: %s", exc)
         return decode_record(vid, data, timings=dict(job.timings))
 
     # tiers ---------------------------------------------------------------------------
@@ -983,17 +1017,6 @@ def _key_selector(keys: list[str], existing: list[str], v: Version) -> Any:
         return any(path == k or path.startswith(k + ".") or fnmatch.fnmatchcase(path, k) for k in pats)
 
     return select
-
-
-def _wait_before_step(optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
-    """Make the optimizer's next step() wait until `handle` is staged (one-shot hook)."""
-    hook_handle: Any = None
-
-    def hook(opt: Any, args: Any, kwargs: Any) -> None:
-        handle.wait_staged()
-        hook_handle.remove()
-
-    hook_handle = optimizer.register_step_pre_hook(hook)
 
 
 __all__ = ["Store", "DataStatesError"]
