@@ -38,9 +38,10 @@ def run(path: str, steps: int = 300, every: int = 20) -> int:
                     message=f"step {step}"))
         versions = [h.result() for h in handles]
         best = min(versions, key=lambda v: v.metrics["loss"])
-        name = f"best-{int(time.time())}"
+        run = len(store.tags()) + 1  # the demo can run again on the same store
+        name = "best" if run == 1 else f"best-{run}"
         store.tag(name, best)
-        fork = f"lr-low-{int(time.time())}"
+        fork = "lr-low" if run == 1 else f"lr-low-{run}"
         store.branch(fork, at=versions[len(versions) // 2])
         state = store.load(fork)
         model.load_state_dict(state["model"])
@@ -51,8 +52,16 @@ def run(path: str, steps: int = 300, every: int = 20) -> int:
         print("log of main (newest first):")
         for ver in store.log("main", limit=8):
             print(f"  {ver.short}  step={ver.step:<4} loss={ver.metrics['loss']:.4f}  new bytes={ver.bytes_new}")
+        print("\nhow the weights moved over the last 100 steps (datastates diff main~5 main --keys model):")
+        for r in store.diff("main~5", "main", keys=["model"]).to_pylist():
+            print(f"  {r['key']:<16} {r['status']:<8} relative change {r['rel_change']:.3f}  cosine {r['cosine']:.4f}")
+        found = store.find("metrics.loss < 0.06 order by metrics.loss limit 3")
+        print("\nbest three by loss (datastates find \"metrics.loss < 0.06 order by metrics.loss limit 3\"):")
+        for v in found:
+            print(f"  {v.short}  step={v.step}  loss={v.metrics['loss']:.4f}")
         d = store.du()
         print(f"\n{d['versions']} versions, {d['bytes_total'] / 2**20:.1f} MiB as saved, "
               f"{d['bytes_unique'] / 2**20:.1f} MiB unique on disk")
-        print(f"try: datastates --store {store.path} log | ls {name} | du | fsck")
+        print(f"\nnext: export DATASTATES_STORE={store.path}; then try `datastates log`, `datastates ls {name}`, "
+              "`datastates diff main~5 main`, `datastates du`, `datastates fsck`")
     return 0
