@@ -202,6 +202,29 @@ class Catalog:
         with self.env.begin(write=True, db=self._db["extra"]) as txn:
             txn.put(bytes.fromhex(vid), json.dumps(extra).encode())
 
+    def update_extra(self, vid: str, set_: dict[str, Any] | None = None, drop: Iterable[str] = (),
+                     only_if_missing: str | None = None) -> dict[str, Any]:
+        """Read-modify-write a version's extra in one transaction (flusher, prune and saves race on it).
+        With `only_if_missing`, nothing changes when that key is already truthy. Bumps the generation."""
+        key = bytes.fromhex(vid)
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(key, db=self._db["extra"])
+            extra = {} if raw is None else dict(json.loads(raw))
+            if only_if_missing is not None and extra.get(only_if_missing):
+                return extra
+            extra.update(set_ or {})
+            for k in drop:
+                extra.pop(k, None)
+            txn.put(key, json.dumps(extra).encode(), db=self._db["extra"])
+            txn.put(b"generation", str(self._generation(txn) + 1).encode(), db=self._db["meta"])
+        return extra
+
+    def set_chunks(self, items: Iterable[tuple[bytes, ChunkLocation]]) -> None:
+        """Point many chunks at new locations in one transaction (gc's repack)."""
+        with self.env.begin(write=True, db=self._db["chunks"]) as txn:
+            for cid, loc in items:
+                txn.put(cid, _pack_loc(loc))
+
     def pruned_ids(self) -> set[str]:
         """Ids of versions whose bytes were pruned (their records stay)."""
         with self.env.begin(db=self._db["extra"]) as txn:

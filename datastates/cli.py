@@ -285,9 +285,21 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=300)
     s.add_argument("--every", type=int, default=20)
     from .bench import add_parser as add_bench_parser
+    from .gc import add_parsers as add_gc_parsers
 
     add_bench_parser(sub)
+    add_gc_parsers(sub)
     return p
+
+
+def _register_gc() -> None:
+    from .gc import COMMANDS, run
+
+    for name in COMMANDS:
+        _COMMANDS[name] = run
+
+
+_register_gc()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -139,10 +139,7 @@ class Flusher:
         if ann.exists():
             replace(cold.annotation_path(vid), ann.read_bytes())
         self._publish_refs(v)
-        extra = store.catalog.extra(vid)
-        extra["cold"] = True
-        extra.pop("flush", None)
-        store.catalog.set_extra(vid, extra)
+        store.catalog.update_extra(vid, {"cold": True}, drop=("flush",))
 
     def _publish_refs(self, v: Any) -> None:
         from .lineage import is_ancestor

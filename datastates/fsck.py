@@ -89,7 +89,7 @@ def rebuild_catalog(store: Store) -> int:
     for tier in store.tiers:
         for vid in tier.iter_ids("versions", "pruned"):
             if cat.record(vid) is not None:
-                cat.set_extra(vid, {**cat.extra(vid), "pruned": True})
+                cat.update_extra(vid, {"pruned": True})
     return n
 
 
@@ -187,48 +187,51 @@ def _check_tier_packs(store: Store, tier: Tier, rep: FsckReport, live: set[str],
 
 
 def _check_records(store: Store, rep: FsckReport, repair: bool) -> tuple[set[str], set[str]]:
-    tier, cat = store.tier, store.catalog
+    """Check every version record of every tier against the catalog; return the manifests and
+    packs that versions need (pruned versions' packs count as needed: freeing them is gc's job)."""
+    cat = store.catalog
     manifests_needed: set[str] = set()
     packs_needed: set[str] = set()
-    on_disk = set()
-    for vid in tier.iter_ids("versions", "json"):
-        on_disk.add(vid)
+    home: dict[str, Tier] = {}
+    for tier in store.tiers:
+        for vid in tier.iter_ids("versions", "json"):
+            home.setdefault(vid, tier)
+    for vid, tier in home.items():
         rep.checked["versions"] = rep.checked.get("versions", 0) + 1
         data = tier.read_record(vid) or b""
         if blake3.blake3(data).hexdigest() != vid:
-            rep.problems.append(f"version record {vid[:12]} does not match its id (damaged)")
+            rep.problems.append(f"version record {vid[:12]} on tier {tier.name} does not match its id (damaged)")
             continue
         rec = json.loads(data)
+        pruned = bool(cat.extra(vid).get("pruned")) or tier.record_path(vid).with_suffix(".pruned").exists()
         complete = True
         for mid in rec.get("manifests", {}).values():
             manifests_needed.add(mid)
-            if (cat.extra(vid) or {}).get("pruned"):
-                continue
             try:
-                m = Manifest(mid, tier.read_manifest(mid))
+                m = Manifest(mid, store._read_manifest_bytes(mid))
             except (DataStatesError, OSError, ValueError) as exc:
-                rep.problems.append(f"version {vid[:12]}: manifest {mid[:12]}: {exc}")
-                complete = False
+                if not pruned:
+                    rep.problems.append(f"version {vid[:12]}: manifest {mid[:12]}: {exc}")
+                    complete = False
                 continue
             for r in m.rows:
-                locs = cat.chunks(r["chunks"])
-                for cid, loc in zip(r["chunks"], locs):
-                    if loc is None:
+                for cid, loc in zip(r["chunks"], cat.chunks(r["chunks"])):
+                    if loc is not None:
+                        packs_needed.add(loc.pack)
+                    elif not pruned:
                         complete = False
                         rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()[:16]} of {r['key']!r} is missing")
-                    else:
-                        packs_needed.add(loc.pack)
         if cat.record(vid) is None:
             if repair and complete:
                 cat.commit(CommitBatch(vid, data, list(rec.get("parents", []))))
                 rep.repaired.append(f"indexed version {vid[:12]} that the catalog had missed")
-            elif repair:
+            elif repair and not tier.shared:
                 tier.record_path(vid).unlink(missing_ok=True)
                 rep.repaired.append(f"removed incomplete, never-committed version record {vid[:12]}")
             else:
                 rep.problems.append(f"version {vid[:12]} has a record but is not in the catalog")
     for vid, data in list(cat.records()):
-        if vid not in on_disk:
+        if vid not in home:
             if repair:
                 cat.drop_version(vid, list(json.loads(data).get("parents", [])))
                 rep.repaired.append(f"dropped catalog entry of version {vid[:12]} whose record file is gone")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from .errors import NotFoundError
+from .retention import register_protector
 
 if TYPE_CHECKING:
     from .store import Store
@@ -174,3 +175,6 @@ def protected_versions(store: Store) -> set[str]:
     for pop in _LIVING.get(id(store), []):
         out |= pop.protected()
     return out
+
+
+register_protector(protected_versions)

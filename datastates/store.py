@@ -428,10 +428,7 @@ class Store:
         return self.flusher.wait(timeout)
 
     def _mark_pending(self, vid: str) -> None:
-        extra = self.catalog.extra(vid)
-        if not extra.get("cold"):
-            extra["flush"] = "pending"
-            self.catalog.set_extra(vid, extra)
+        self.catalog.update_extra(vid, {"flush": "pending"}, only_if_missing="cold")
 
     def where(self, ref: Any) -> list[str]:
         """Names of the tiers that hold the version wholly (record, manifests, every pack)."""
@@ -473,8 +470,11 @@ class Store:
             if self.catalog.record(vid) is None:
                 data = self.cold.read_record(vid)
                 if data is not None and blake3.blake3(data).hexdigest() == vid:
+                    extra: dict[str, Any] = {"cold": True}
+                    if self.cold.record_path(vid).with_suffix(".pruned").exists():
+                        extra["pruned"] = True  # another host pruned it
                     self.catalog.commit(CommitBatch(vid, data, list(json.loads(data).get("parents", [])),
-                                                    extra={"cold": True}))
+                                                    extra=extra))
                     counts["versions"] += 1
         for kind in ("branch", "tag"):
             for name, cid in self.cold.refs.names(kind).items():  # type: ignore[arg-type]
@@ -857,6 +857,17 @@ class Store:
         return out
 
     def _read_chunk(self, cid: bytes, loc: ChunkLocation, out: memoryview, key: str) -> None:
+        """`_read_chunk_at`, looking the chunk up again once if its pack vanished: gc in another
+        process may have repacked it since we resolved its location."""
+        try:
+            self._read_chunk_at(cid, loc, out, key)
+        except NotFoundError:
+            fresh = self.catalog.chunk(cid)
+            if fresh is None or fresh == loc:
+                raise
+            self._read_chunk_at(cid, fresh, out, key)
+
+    def _read_chunk_at(self, cid: bytes, loc: ChunkLocation, out: memoryview, key: str) -> None:
         """Read and verify one chunk: hot first, then cold. A cold read may promote the pack
         into hot; a corrupt hot copy is replaced by a good cold one (logged)."""
         errors: list[Exception] = []
@@ -983,6 +994,21 @@ class Store:
         stored = sum(p.stat().st_size for p in (self.path / "packs").glob("*.pack"))
         return {"versions": self.catalog.version_count(), "bytes_total": total, "bytes_unique": unique,
                 "bytes_on_disk": stored, "packs": len(list((self.path / "packs").glob("*.pack")))}
+
+    def prune(self, retention: Any, *, dry_run: bool = False) -> Any:
+        """Drop the bytes of versions no policy keeps (records stay; loading them raises PrunedError).
+        Tags, branch heads and protected versions (PBT donors) are always kept. See datastates.retention."""
+        from .retention import prune
+
+        self.wait()
+        return prune(self, retention, dry_run=dry_run)
+
+    def gc(self, *, dry_run: bool = False, repack_threshold: float = 0.5) -> Any:
+        """Delete packs no live version needs and repack sparse ones; returns bytes freed per tier."""
+        from .gc import gc
+
+        self.wait()
+        return gc(self, dry_run=dry_run, repack_threshold=repack_threshold)
 
     def fsck(self, *, repair: bool = False, rebuild: bool = False) -> Any:
         """Verify every chunk, manifest, record and ref; see `datastates.fsck.fsck`."""

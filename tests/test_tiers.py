@@ -283,3 +283,36 @@ def _kill_loop(tmp_path: Path, kills: int, seed: int) -> None:
     rep = s.fsck()
     assert rep.ok, rep.problems
     s.close()
+
+
+def test_fsck_on_a_fresh_hot_tier_keeps_every_cold_version(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    vs = [s.save(_state(i, 100), step=i) for i in range(3)]
+    s.flush(timeout=30)
+    s.close()
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot2")
+    rep = s.fsck(repair=True)
+    assert not any("dropped" in r for r in rep.repaired)
+    assert s.catalog.version_count() == 3
+    assert s.fsck().ok
+    assert [s.load(v)["i"].item() for v in vs] == [0, 1, 2]
+    s.close()
+
+
+def test_pruned_but_uncollected_packs_are_not_debris(tmp_path: Path) -> None:
+    from datastates.retention import KeepLatest, Retention
+
+    s = ds.Store.open(tmp_path / "s")
+    vs = [s.save(_state(i, 1000), step=i) for i in range(4)]
+    plan = s.prune(Retention(KeepLatest(1)))
+    assert set(plan.prune) == {v.id for v in vs[:3]}
+    rep = s.fsck()
+    assert rep.ok, rep.problems
+    assert len(_packs(tmp_path / "s")) == 4  # freeing them is gc's job, not fsck's
+    with pytest.raises(ds.PrunedError):
+        s.load(vs[0])
+    freed = s.gc()
+    assert freed.total_freed > 0
+    assert len(_packs(tmp_path / "s")) == 1
+    assert s.load(vs[3])["i"].item() == 3
+    s.close()

@@ -1,0 +1,481 @@
+"""Garbage collection: free the bytes of pruned versions. Also the `gc` and `prune` commands.
+
+A chunk is live when a manifest of a version that is not pruned names it.
+`gc` deletes packs holding no live chunk, repacks packs whose live share of
+chunk bytes is under a threshold (copies the live chunks into a new pack,
+points the catalog at them, then deletes the old pack) and deletes manifests
+only pruned versions name. Version records always stay (lineage).
+
+Crash safety (kill -9 at any instant leaves every live chunk readable):
+- a dead pack leaves the catalog before its file goes, so no save can dedup
+  against a chunk whose bytes are gone; a file left behind is an orphan that
+  `fsck --repair` removes;
+- a repack seals the new pack before the catalog names it, and repoints every
+  live chunk before the old pack is dropped: until then both copies exist, and
+  a new pack the catalog never came to name is an orphan for `fsck --repair`.
+
+With a cold tier, only the hot tier is collected (see `gc`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from tqdm import tqdm
+
+from .chunks import CODEC_ZSTD, ChunkLocation, chunk_id
+from .errors import DataStatesError, IntegrityError
+from .files import fsync_dir
+
+# The pack format's fixed sizes, so a dry run predicts a repacked pack's size exactly.
+from .packs import _ENTRY, _FOOTER, HEADER, read_index
+
+if TYPE_CHECKING:
+    from .retention import Retention
+    from .store import Store
+
+T = TypeVar("T")
+
+REPACK_PACK_BYTES = 1 << 30
+"""A repack rolls over to a new pack once the one it writes holds this many bytes."""
+
+
+@dataclass(frozen=True)
+class GcReport:
+    """What gc did (or, with `dry_run`, would do). Byte counts are file bytes on disk."""
+
+    dry_run: bool
+    packs_deleted: tuple[str, ...] = ()
+    """Packs that held no live chunk."""
+    packs_repacked: tuple[str, ...] = ()
+    """Sparse packs whose live chunks were copied into new packs, then deleted."""
+    packs_written: int = 0
+    """New packs the repack wrote."""
+    bytes_written: int = 0
+    """Bytes of those new packs."""
+    manifests_deleted: int = 0
+    """Manifests that only pruned versions named."""
+    chunks_live: int = 0
+    """Distinct chunks the versions that are not pruned name."""
+    chunks_dropped: int = 0
+    """Catalog entries of dead chunks forgotten along with their packs."""
+    bytes_freed: dict[str, int] = field(default_factory=dict)
+    """Net bytes freed per tier name (deleted packs and manifests, minus what repacking wrote)."""
+    skipped: tuple[str, ...] = ()
+    """Packs left alone, and why (damaged, corrupt live chunk, file missing): `datastates fsck` explains."""
+
+    @property
+    def total_freed(self) -> int:
+        return sum(self.bytes_freed.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"dry_run": self.dry_run, "packs_deleted": list(self.packs_deleted),
+                "packs_repacked": list(self.packs_repacked), "packs_written": self.packs_written,
+                "bytes_written": self.bytes_written, "manifests_deleted": self.manifests_deleted,
+                "chunks_live": self.chunks_live, "chunks_dropped": self.chunks_dropped,
+                "bytes_freed": dict(self.bytes_freed), "skipped": list(self.skipped)}
+
+
+def _progress(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it") -> Iterator[T]:
+    # Bars only for a person watching: logs and pipes stay clean.
+    return iter(tqdm(items, desc=desc, total=total, unit=unit, leave=False, disable=not sys.stderr.isatty()))
+
+
+def _pack_size(lengths: Iterable[int]) -> int:
+    """Bytes of a sealed pack holding chunks of these stored lengths (the writer's bounce path: no padding)."""
+    n, body = 0, 0
+    for length in lengths:
+        n += 1
+        body += length
+    return len(HEADER) + body + n * _ENTRY.size + _FOOTER.size
+
+
+def _live_chunks(store: Store) -> tuple[set[bytes], set[str], set[str]]:
+    """(live chunk ids, manifests of versions not pruned, manifests only pruned versions name).
+
+    Raises NotFoundError/IntegrityError when a manifest of a version that is not
+    pruned cannot be read: gc must not guess what is live.
+    """
+    pruned = store.catalog.pruned_ids()
+    live_m: set[str] = set()
+    pruned_m: set[str] = set()
+    for vid, data in store.catalog.records():
+        mids = json.loads(data).get("manifests", {}).values()
+        (pruned_m if vid in pruned else live_m).update(mids)
+    live: set[bytes] = set()
+    for mid in _progress(sorted(live_m), "gc: reading manifests", unit="manifest"):
+        try:
+            col = store.manifest(mid).table.column("chunks").combine_chunks()
+        except DataStatesError as exc:
+            raise type(exc)(f"gc stopped before changing anything: manifest {mid[:12]} of a version that is not "
+                            f"pruned cannot be read ({exc}); run `datastates fsck`") from exc
+        live.update(col.flatten().to_pylist())
+    # A record a crash left out of the catalog is still a committed version (`fsck --repair` indexes it):
+    # the chunks it shares with indexed packs must survive until then.
+    for mid in _unindexed_manifests(store) - live_m:
+        live_m.add(mid)
+        try:
+            col = store.manifest(mid).table.column("chunks").combine_chunks()
+        except DataStatesError:
+            continue  # never complete: fsck --repair removes the record
+        live.update(col.flatten().to_pylist())
+    return live, live_m, pruned_m - live_m
+
+
+def _unindexed_manifests(store: Store) -> set[str]:
+    """Manifests named by records in the saving tier that the catalog lacks (and no marker prunes)."""
+    tier, out = store.tier, set()
+    pruned = set(tier.iter_ids("versions", "pruned"))
+    for vid in tier.iter_ids("versions", "json"):
+        if vid in pruned or store.catalog.record(vid) is not None:
+            continue
+        data = tier.read_record(vid)
+        try:
+            out.update(json.loads(data or b"{}").get("manifests", {}).values())
+        except ValueError:
+            continue  # a damaged record: fsck reports it
+    return out
+
+
+@dataclass
+class _Sparse:
+    pack: str
+    size: int
+    live: list[tuple[bytes, ChunkLocation]]
+
+
+def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5) -> GcReport:
+    """Delete dead packs, repack sparse ones, delete manifests only pruned versions name.
+
+    A pack is repacked when its live chunk bytes are under `repack_threshold`
+    of its chunk bytes (0 never repacks; 1 repacks any pack with a dead chunk).
+    Holds the tier's exclusive lock throughout (saves in flight finish first, new
+    ones wait), dry run included, so its figures are those a real run would give.
+
+    On a store with a cold tier only the hot tier is collected and nothing is
+    repacked: cold is shared by hosts whose catalogs this one cannot see or
+    update, so deleting or moving chunks there needs a cross-host protocol that
+    does not exist yet. A dead hot pack that cold also holds loses only its hot copy.
+
+    Raises ValueError for a threshold outside [0, 1]; NotFoundError/IntegrityError
+    if a manifest of a version that is not pruned cannot be read (nothing changed then).
+    """
+    if not 0.0 <= repack_threshold <= 1.0:
+        raise ValueError(f"repack_threshold {repack_threshold} must be between 0 and 1")
+    store._check_open()
+    tier, cat, cold = store.tier, store.catalog, store.cold
+    # As the flusher does: an unmounted cold tier is an empty directory, never "the pack is not there".
+    cold_ok = cold is not None and _exists(cold.root / "FORMAT") is True
+    with tier.exclusive():
+        live, _, dead_manifests = _live_chunks(store)
+        by_pack: dict[str, list[tuple[bytes, ChunkLocation]]] = {}
+        indexed: dict[str, int] = {}  # catalog entries per pack: what drop_pack will forget
+        for cid, loc in cat.iter_chunks():
+            indexed[loc.pack] = indexed.get(loc.pack, 0) + 1
+            if cid in live:
+                by_pack.setdefault(loc.pack, []).append((cid, loc))
+        known = set(cat.packs()) | set(by_pack)
+        dead: list[tuple[str, int, bool]] = []  # (pack, bytes, whether the catalog forgets it)
+        sparse: list[_Sparse] = []
+        skipped: list[str] = []
+        for pack in _progress(sorted(known), "gc: sizing packs", unit="pack"):
+            path = tier.pack_path(pack)
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                if cold is None:
+                    skipped.append(f"pack {pack}: indexed but its file is missing")
+                continue  # with tiers: evicted from hot, or only ever on cold
+            entries = by_pack.get(pack)
+            if not entries:
+                on_cold = False if cold is None else (_exists(cold.pack_path(pack)) if cold_ok else None)
+                if on_cold is None:
+                    skipped.append(f"pack {pack}: cold tier unreachable, cannot tell whether hot holds the only copy")
+                    continue
+                # A copy on cold keeps the catalog entries valid (reads fall back to cold), so they stay.
+                dead.append((pack, size, not on_cold))
+                continue
+            if cold is not None:
+                continue
+            try:
+                index = read_index(path)
+            except IntegrityError as exc:
+                skipped.append(f"pack {pack}: {exc}")
+                continue
+            live_bytes = sum(loc.length for _, loc in entries)
+            if len(entries) < len(index) and live_bytes < repack_threshold * sum(loc.length for _, loc in index):
+                sparse.append(_Sparse(pack, size, sorted(entries, key=lambda e: e[1].offset)))
+        groups = _groups([e for s in sparse for e in s.live])
+        manifest_sizes = {mid: n for mid in sorted(dead_manifests) if (n := _size(tier.manifest_path(mid))) is not None}
+        freed = {t.name: 0 for t in store.tiers}
+
+        if dry_run:
+            written = sum(_pack_size(loc.length for _, loc in g) for g in groups)
+            freed[tier.name] = (sum(size for _, size, _ in dead) + sum(s.size for s in sparse) - written
+                                + sum(manifest_sizes.values()))
+            dropped = (sum(indexed.get(p, 0) for p, _, forget in dead if forget)
+                       + sum(indexed[s.pack] - len(s.live) for s in sparse))
+            return GcReport(True, tuple(p for p, _, _ in dead), tuple(s.pack for s in sparse), len(groups), written,
+                            len(manifest_sizes), len(live), dropped, freed, tuple(skipped))
+
+        dropped = 0
+        for pack, size, forget in _progress(dead, "gc: deleting dead packs", unit="pack"):
+            if forget:
+                dropped += cat.drop_pack(pack)  # the catalog forgets first: no save may dedup against it meanwhile
+            tier.reader.forget(pack)
+            tier.pack_path(pack).unlink(missing_ok=True)
+            freed[tier.name] += size
+        if dead:
+            fsync_dir(tier.root / "packs")
+
+        written, n_written, repacked = _repack(store, sparse, groups, skipped)
+        for s in sparse:
+            if s.pack not in repacked:
+                continue
+            dropped += cat.drop_pack(s.pack)  # every live chunk of it points at its new pack by now
+            tier.reader.forget(s.pack)
+            tier.pack_path(s.pack).unlink(missing_ok=True)
+            freed[tier.name] += s.size
+        if repacked:
+            fsync_dir(tier.root / "packs")
+        freed[tier.name] -= written
+
+        dirs: set[Path] = set()
+        for mid, size in manifest_sizes.items():
+            path = tier.manifest_path(mid)
+            path.unlink(missing_ok=True)
+            dirs.add(path.parent)
+            freed[tier.name] += size
+        for d in dirs:
+            fsync_dir(d)
+    return GcReport(False, tuple(p for p, _, _ in dead), tuple(s.pack for s in sparse if s.pack in repacked),
+                    n_written, written, len(manifest_sizes), len(live), dropped, freed, tuple(skipped))
+
+
+def _exists(path: Path) -> bool | None:
+    """Whether `path` exists; None when its file system cannot be asked (an unmounted cold tier)."""
+    try:
+        return path.exists()
+    except OSError:
+        return None
+
+
+def _size(path: Path) -> int | None:
+    """The file's size, None if it is gone (a manifest an earlier gc deleted already)."""
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return None
+
+
+def _groups(entries: list[tuple[bytes, ChunkLocation]]) -> list[list[tuple[bytes, ChunkLocation]]]:
+    """Split live chunks into the new packs a repack writes (same rule in dry and real runs)."""
+    groups: list[list[tuple[bytes, ChunkLocation]]] = []
+    size = 0
+    for e in entries:
+        if not groups or size >= REPACK_PACK_BYTES:
+            groups.append([])
+            size = len(HEADER)
+        groups[-1].append(e)
+        size += e[1].length
+    return groups
+
+
+def _repack(store: Store, sparse: list[_Sparse], groups: list[list[tuple[bytes, ChunkLocation]]],
+            skipped: list[str]) -> tuple[int, int, set[str]]:
+    """Copy the live chunks of sparse packs into new packs and repoint the catalog.
+
+    Returns (bytes written, packs written, old packs whose every live chunk now
+    lives elsewhere). An old pack with a live chunk that fails verification is
+    left in place and named in `skipped`; the catalog keeps pointing into it.
+    """
+    tier, cat = store.tier, store.catalog
+    owner = {cid: s.pack for s in sparse for cid, _ in s.live}
+    bad: set[str] = set()
+    written, n_written = 0, 0
+    total = sum(loc.length for g in groups for _, loc in g)
+    bar = tqdm(total=total, desc="gc: repacking", unit="B", unit_scale=True, leave=False,
+               disable=not sys.stderr.isatty())
+    try:
+        for group in groups:
+            w = tier.new_pack()
+            moved: list[tuple[bytes, ChunkLocation]] = []
+            try:
+                for cid, loc in group:
+                    data = tier.reader.read(loc)
+                    if store.verify and not _intact(cid, loc, data):
+                        bad.add(owner[cid])
+                        skipped.append(f"pack {owner[cid]}: live chunk {cid.hex()[:16]} at offset {loc.offset} is "
+                                       "corrupt; pack kept, run `datastates fsck`")
+                        continue
+                    moved.append((cid, w.add(cid, data, loc.raw_length, loc.codec)))
+                    bar.update(loc.length)
+                w.seal()
+            except BaseException:
+                w.abort()
+                raise
+            size = w.path.stat().st_size
+            # Name the new pack, then move each chunk onto it; the old copies stay readable until the end.
+            cat.add_pack_chunks(w.id, {"size": size, "chunks": w.count, "tier": tier.name}, [])
+            cat.set_chunks((cid, loc) for cid, loc in moved if owner[cid] not in bad)
+            written += size
+            n_written += 1
+    finally:
+        bar.close()
+    return written, n_written, {s.pack for s in sparse} - bad
+
+
+def _intact(cid: bytes, loc: ChunkLocation, data: bytes) -> bool:
+    try:
+        if loc.codec == CODEC_ZSTD:
+            import zstandard
+
+            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=loc.raw_length)
+        return len(data) == loc.raw_length and chunk_id(data) == cid
+    except Exception:
+        return False
+
+
+# the command line ----------------------------------------------------------------------------------------------
+COMMANDS = ("gc", "prune")
+"""The subcommands `add_parsers` adds; `run` handles both."""
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n} B"
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
+    return n
+
+
+def _best(text: str) -> tuple[int, str, str]:
+    parts = text.split(":")
+    if len(parts) > 3 or not parts[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: give N, N:METRIC or N:METRIC:min|max")
+    n = _count(parts[0])
+    metric = parts[1] if len(parts) > 1 and parts[1] else "metrics.val_loss"
+    mode = parts[2] if len(parts) > 2 else "min"
+    if mode not in ("min", "max"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the mode must be min or max, not {mode!r}")
+    return n, metric, mode
+
+
+def _threshold(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= f <= 1.0:
+        raise argparse.ArgumentTypeError(f"{f} must be between 0 and 1")
+    return f
+
+
+def add_parsers(sub: Any) -> None:
+    """Add the `gc` and `prune` subcommands to an argparse subparsers object (handled by `run`)."""
+    s = sub.add_parser("gc", help="free the bytes of pruned versions: delete dead packs, repack sparse ones")
+    s.add_argument("--dry-run", action="store_true", help="say what would be freed; change nothing")
+    s.add_argument("--repack-threshold", type=_threshold, default=0.5, metavar="F",
+                   help="repack a pack whose live bytes are under this share of its bytes (default 0.5)")
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("prune", help="mark versions pruned unless a --keep rule (or a tag, or a branch head) keeps "
+                                     "them; `gc` then frees their bytes")
+    s.add_argument("--keep-latest", type=_count, metavar="N", help="keep the N newest versions of each branch")
+    s.add_argument("--keep-best", type=_best, action="append", default=[], metavar="N[:METRIC[:min|max]]",
+                   help="keep the N best by a metric (default metrics.val_loss, min); repeatable")
+    s.add_argument("--keep-every", type=_count, metavar="N", help="keep versions whose step is a multiple of N")
+    s.add_argument("--dry-run", action="store_true", help="list what would be pruned; change nothing")
+    s.add_argument("--json", action="store_true")
+
+
+def retention_from_args(args: argparse.Namespace) -> Retention | None:
+    """The Retention the `prune` arguments describe, or None when they name no --keep rule."""
+    from .retention import KeepBest, KeepEvery, KeepLatest, Policy, Retention
+
+    policies: list[Policy] = []
+    if args.keep_latest is not None:
+        policies.append(KeepLatest(args.keep_latest))
+    for n, metric, mode in args.keep_best:
+        policies.append(KeepBest(n, metric, mode))
+    if args.keep_every is not None:
+        if args.keep_every < 1:
+            raise argparse.ArgumentTypeError("--keep-every must be 1 or more")
+        policies.append(KeepEvery(args.keep_every))
+    return Retention(*policies) if policies else None
+
+
+def run(store: Store, args: argparse.Namespace) -> int:
+    """Run `gc` or `prune` (args.command) and print a summary; return the exit status."""
+    if args.command == "gc":
+        return _run_gc(store, args)
+    if args.command == "prune":
+        return _run_prune(store, args)
+    raise ValueError(f"datastates.gc.run handles {COMMANDS}, not {args.command!r}")
+
+
+def _run_gc(store: Store, args: argparse.Namespace) -> int:
+    rep = gc(store, dry_run=args.dry_run, repack_threshold=args.repack_threshold)
+    if args.json:
+        print(json.dumps(rep.to_dict() | {"total_freed": rep.total_freed}, indent=2, sort_keys=True))
+        return 0
+    d = rep.dry_run
+    per_tier = ", ".join(f"{t}: {human_bytes(b)}" for t, b in rep.bytes_freed.items())
+    print(f"{'dry run: would delete' if d else 'deleted'} {len(rep.packs_deleted)} dead pack(s), "
+          f"{'would repack' if d else 'repacked'} {len(rep.packs_repacked)} sparse pack(s) into {rep.packs_written}, "
+          f"{'would remove' if d else 'removed'} {rep.manifests_deleted} manifest(s) of pruned versions")
+    print(f"{'would free' if d else 'freed'} {human_bytes(rep.total_freed)} ({per_tier}); "
+          f"{rep.chunks_live} live chunk(s)")
+    for line in rep.skipped:
+        print(f"skipped: {line}")
+    return 0
+
+
+def _run_prune(store: Store, args: argparse.Namespace) -> int:
+    from .retention import prune
+
+    try:
+        retention = retention_from_args(args)
+    except argparse.ArgumentTypeError as exc:
+        print(f"datastates prune: {exc}", file=sys.stderr)
+        return 2
+    if retention is None:
+        print("datastates prune: give at least one of --keep-latest, --keep-best, --keep-every "
+              "(tagged versions and branch heads are always kept)", file=sys.stderr)
+        return 2
+    result = prune(store, retention, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+        return 0
+    would = "would prune" if result.dry_run else "pruned"
+    rows = []
+    for vid in result.prune:
+        v = store.version(vid)
+        rows.append((v.created, v.short, v.step, v.branch))
+    for _, short, step, branch in sorted(rows):
+        print(f"{'would prune' if result.dry_run else 'pruned'} {short}  step={step}  branch={branch}")
+    print(f"{'dry run: ' if result.dry_run else ''}{would} {len(result.prune)} version(s), keeping "
+          f"{len(result.keep)} ({len(result.protected)} of them tagged, branch heads or protected); "
+          f"{len(result.already_pruned)} pruned before")
+    tail = "after `datastates gc`" if not result.dry_run else "once pruned and collected"
+    print(f"{human_bytes(result.bytes_freed)} can be freed {tail}")
+    return 0
+
