@@ -136,6 +136,8 @@ def _fsck(store: Store, args: argparse.Namespace) -> int:
             print(f"repaired: {line}")
         for line in rep.problems:
             print(f"problem:  {line}")
+        for line in rep.notes:
+            print(f"note:     {line}")
         counts = ", ".join(f"{n} {k}" for k, n in rep.checked.items())
         print(f"{'ok' if rep.ok else 'NOT OK'}: checked {counts}")
     return 0 if rep.ok else 1

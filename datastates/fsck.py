@@ -36,13 +36,15 @@ class FsckReport:
     problems: list[str] = field(default_factory=list)
     corrupt_chunks: list[dict[str, Any]] = field(default_factory=list)
     repaired: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Harmless findings (space gc can free); they do not make the store not ok."""
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "checked": self.checked, "problems": self.problems,
+        return {"ok": self.ok, "checked": self.checked, "problems": self.problems, "notes": self.notes,
                 "corrupt_chunks": self.corrupt_chunks, "repaired": self.repaired}
 
 
@@ -175,7 +177,7 @@ def _check_tier_packs(store: Store, tier: Tier, rep: FsckReport, live: set[str],
 
                     data = zstandard.ZstdDecompressor().decompress(data, max_output_size=loc.raw_length)
                 good = chunk_id(data) == cid
-            except (DataStatesError, OSError, ValueError):
+            except Exception:  # any decode failure (zstd raises its own type) means a bad chunk
                 good = False
             if not good:
                 bad.add(pack)
@@ -205,8 +207,8 @@ def _check_records(store: Store, rep: FsckReport, repair: bool) -> tuple[set[str
         rec = json.loads(data)
         pruned = bool(cat.extra(vid).get("pruned")) or tier.record_path(vid).with_suffix(".pruned").exists()
         complete = True
-        for mid in rec.get("manifests", {}).values():
-            manifests_needed.add(mid)
+        mids = list(rec.get("manifests", {}).values())
+        for mid in mids:
             try:
                 m = Manifest(mid, store._read_manifest_bytes(mid))
             except (DataStatesError, OSError, ValueError) as exc:
@@ -228,8 +230,10 @@ def _check_records(store: Store, rep: FsckReport, repair: bool) -> tuple[set[str
             elif repair and not tier.shared:
                 tier.record_path(vid).unlink(missing_ok=True)
                 rep.repaired.append(f"removed incomplete, never-committed version record {vid[:12]}")
+                continue  # its manifests are debris now
             else:
                 rep.problems.append(f"version {vid[:12]} has a record but is not in the catalog")
+        manifests_needed.update(mids)
     for vid, data in list(cat.records()):
         if vid not in home:
             if repair:
@@ -247,6 +251,11 @@ def _check_orphans(store: Store, rep: FsckReport, repair: bool, live: set[str], 
         if mid not in manifests_needed:
             _orphan(rep, repair, tier.manifest_path(mid), f"manifest {mid[:12]} named by no version", tier.root)
     for pack in sorted(live - packs_needed):
+        if _duplicates_only(store, pack):
+            # Two writers stored the same new chunk; the catalog uses the other copy. Dead weight, not
+            # damage: gc deletes it.
+            rep.notes.append(f"pack {pack} only repeats chunks stored elsewhere; `datastates gc` frees it")
+            continue
         store.tier.reader.forget(pack)
         if repair:
             cat.drop_pack(pack)
@@ -258,6 +267,15 @@ def _check_orphans(store: Store, rep: FsckReport, repair: bool, live: set[str], 
                 rep.repaired.append(f"dropped catalog entries of missing pack {pack}")
             else:
                 rep.problems.append(f"catalog indexes pack {pack} but its file is gone")
+
+
+def _duplicates_only(store: Store, pack: str) -> bool:
+    try:
+        idx = read_index(store.tier.pack_path(pack))
+    except (IntegrityError, OSError):
+        return False
+    locs = store.catalog.chunks([cid for cid, _ in idx])
+    return bool(idx) and all(loc is not None and loc.pack != pack for loc in locs)
 
 
 def _orphan(rep: FsckReport, repair: bool, path: Path, what: str, root: Path) -> None:

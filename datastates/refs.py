@@ -37,8 +37,8 @@ def check_name(name: str, what: str = "branch") -> str:
     if not isinstance(name, str) or not name:
         raise InvalidNameError(f"{what} name {name!r} is empty or not a string; give a name like 'main'")
     why = None
-    if len(name.encode()) > 255:
-        why = "is longer than 255 bytes"
+    if len(name.encode()) > 255 or len(_encode(name).encode()) > 255:
+        why = "is longer than 255 bytes (each '/' or '%' counts as 3 in the file name)"
     elif ".." in name:
         why = "contains '..'"
     elif name.startswith("/") or name.endswith("/") or "//" in name:

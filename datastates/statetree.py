@@ -71,6 +71,8 @@ def _key_json(k: Any, path: str) -> Any:
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's logical bytes (a copy only if it is not contiguous)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)  # strides of empty tensors can be anything
     flat = t.detach().reshape(-1)
     if flat.dtype == torch.uint8:
         return flat
@@ -250,12 +252,12 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
             v = unflatten(child, tensor, allow_pickle, f"{path}.{k}" if path else str(k), select)
             if v is not SKIP:
                 out[k] = v
-        return SKIP if select is not None and node["v"] and not out else out
+        return SKIP if _drop_empty(select, path, out) else out
     if t in ("list", "tuple"):
         items = [unflatten(c, tensor, allow_pickle, f"{path}.{i}" if path else str(i), select)
                  for i, c in enumerate(node["v"])]
         items = [x for x in items if x is not SKIP]
-        if select is not None and node["v"] and not items:
+        if _drop_empty(select, path, items):
             return SKIP
         return items if t == "list" else tuple(items)
     if t == "pickle":
@@ -266,6 +268,11 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
             )
         return pickle.loads(base64.b64decode(node["v"]))
     raise UnsupportedValueError(f"{path or '<state>'} has node type {t!r} unknown to this datastates; upgrade it")
+
+
+def _drop_empty(select: Callable[[str], bool] | None, path: str, kept: Any) -> bool:
+    """A container left empty by a partial load goes too, unless it was selected itself."""
+    return select is not None and not kept and bool(path) and not select(path)
 
 
 class _Skip:

@@ -40,6 +40,7 @@ from .errors import (
     NotFoundError,
     PrunedError,
     SaveFailedError,
+    ShapeMismatchError,
     StoreClosedError,
 )
 from .files import canonical_json, copy_file, write_new
@@ -802,7 +803,7 @@ class Store:
         m = self.manifest_of(v, rank)
         select = None
         if keys is not None:
-            select = _key_selector(list(keys), [r["key"] for r in m.rows if r["kind"] != "storage"], v)
+            select = _key_selector(list(keys), _tree_paths(m.tree), v)
         rows = m.rows
         wanted: list[int] = []
 
@@ -905,7 +906,7 @@ class Store:
                 t.reader.read_into(loc, out)
         except OSError as exc:
             raise NotFoundError(f"pack {loc.pack} is unreadable on tier {t.name}: {exc}") from exc
-        except ValueError as exc:  # zstd errors on damaged frames
+        except (ValueError, _ZstdError) as exc:  # zstd errors on damaged frames
             raise IntegrityError(f"chunk {cid.hex()[:16]} of tensor {key!r} in pack {loc.pack} does not decode "
                                  f"on tier {t.name}: {exc}; run `datastates fsck`") from exc
         if self.verify and chunk_id(out) != cid:
@@ -960,6 +961,9 @@ class Store:
                                     "pass the objects under the names they were saved with")
             names[name] = key
         state = self.load(v, keys=list(names.values()), allow_pickle=allow_pickle)
+        for name, obj in objects.items():  # check everything first: a failed checkout changes nothing
+            if isinstance(obj, torch.nn.Module):
+                _check_shapes(name, state[names[name]], obj.state_dict(), v)
         for name, obj in objects.items():
             sd = state[names[name]]
             if isinstance(obj, torch.nn.Module):
@@ -1028,6 +1032,37 @@ def _label(ref: Any) -> str:
 def _check_chunk_size(size: int) -> None:
     if size <= 0 or size % 64:
         raise ValueError(f"chunk_size {size} must be a positive multiple of 64 bytes")
+
+
+try:
+    from zstandard import ZstdError as _ZstdError
+except ImportError:  # zstd is optional; without it no chunk can be zstd-coded on this side
+    class _ZstdError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+def _check_shapes(name: str, saved: Any, live: dict[str, Any], v: Version) -> None:
+    """Raise ShapeMismatchError naming the first tensor whose saved shape differs from the live one."""
+    for key, t in live.items():
+        s = saved.get(key) if isinstance(saved, dict) else None
+        if isinstance(t, torch.Tensor) and isinstance(s, torch.Tensor) and tuple(s.shape) != tuple(t.shape):
+            raise ShapeMismatchError(
+                f"{name}.{key} is {tuple(s.shape)} in version {v.short} but {tuple(t.shape)} in the live object; "
+                "build the object with the saved architecture, or load the state and map it yourself"
+            )
+
+
+def _tree_paths(node: dict[str, Any], path: str = "") -> list[str]:
+    """Every key path in a state skeleton: leaves and containers (a scheduler's subtree has no tensor)."""
+    out = [path] if path else []
+    t = node["t"]
+    if t in ("dict", "odict"):
+        for k, child in zip(node["k"], node["v"]):
+            out += _tree_paths(child, f"{path}.{k}" if path else str(k))
+    elif t in ("list", "tuple"):
+        for i, child in enumerate(node["v"]):
+            out += _tree_paths(child, f"{path}.{i}" if path else str(i))
+    return out
 
 
 def _key_selector(keys: list[str], existing: list[str], v: Version) -> Any:
