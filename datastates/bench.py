@@ -120,6 +120,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--chunk-size", type=_size_arg, default=None,
                    help="datastates chunk size, e.g. 1MiB, 4MiB, 16MiB (default: the store default, 4MiB)")
     p.add_argument("--zstd", type=int, default=0, metavar="LEVEL", help="datastates zstd level (default 0 = off)")
+    p.add_argument("--reuse-unchanged", action="store_true",
+                   help="open the store with reuse_unchanged=True (skip tensors torch's version counter says are "
+                        "untouched since the last save)")
     p.add_argument("--window", type=float, default=None,
                    help="minimum seconds per training window (default: the slowest background save, >= 1 s); "
                         "a window always lasts until its save is complete")
@@ -141,6 +144,7 @@ class Config:
     skip: frozenset[str] = frozenset()
     chunk_size: int | None = None
     zstd: int = 0
+    reuse_unchanged: bool = False
     window: float | None = None
 
 
@@ -605,7 +609,7 @@ class _Bench:
 
         cfg = self.cfg
         store = Store.open(self.root / "ds", pool_bytes=2 * self.size, chunk_size=cfg.chunk_size,
-                           zstd_level=cfg.zstd)
+                           zstd_level=cfg.zstd, reuse_unchanged=cfg.reuse_unchanged)
         dcp = Dcp() if "dcp" not in cfg.skip else None
         try:
             _log("warming the datastates buffer pool (one untimed save) and saving the 100-tensor state")
@@ -822,7 +826,8 @@ def _report(cfg: Config, res: Results, fs: str, parent: Path, t_start: float) ->
                     "dir": str(parent)},
         "config": {"size": cfg.size, "bytes": res.extra.get("bytes"), "tensors": cfg.tensors,
                    "repeats": cfg.repeats, "unchanged": cfg.unchanged, "quick": cfg.quick,
-                   "skip": sorted(cfg.skip), "chunk_size": cfg.chunk_size, "zstd": cfg.zstd},
+                   "skip": sorted(cfg.skip), "chunk_size": cfg.chunk_size, "zstd": cfg.zstd,
+                   "reuse_unchanged": cfg.reuse_unchanged},
         "methods": methods,
         "ratios": ratios,
         "info_ratios": info,
@@ -934,7 +939,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ValueError("--repeats must be at least 1")
     return Config(size=args.size or ((64 << 20) if quick else (1 << 30)), tensors=args.tensors, repeats=repeats,
                   unchanged=args.unchanged, bench_dir=args.bench_dir, quick=quick, skip=skip,
-                  chunk_size=args.chunk_size, zstd=args.zstd,
+                  chunk_size=args.chunk_size, zstd=args.zstd, reuse_unchanged=args.reuse_unchanged,
                   window=args.window if args.window is not None else (1.0 if quick else None))
 
 

@@ -60,6 +60,8 @@ class TensorEntry:
     """Bytes stored for this row (0 for 'alias' and 'view')."""
     chunks: list[bytes] = field(default_factory=list)
     stats: dict[str, float | int | None] = field(default_factory=dict)
+    sig: tuple[object, ...] | None = None
+    """For 'tensor' rows: (data_ptr, version counter, dtype, shape, stride, device) at capture."""
 
 
 def _key_json(k: Any, path: str) -> Any:
@@ -190,8 +192,9 @@ class Flattener:
 
     def _add_tensor(self, path: str, t: torch.Tensor) -> int:
         src = _bytes_of(t)
+        sig = (t.data_ptr(), t._version, t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
         self.entries.append(TensorEntry(path, t.dtype, tuple(t.shape), str(t.device), "tensor", source=src,
-                                        nbytes=src.numel()))
+                                        nbytes=src.numel(), sig=sig))
         return len(self.entries) - 1
 
 

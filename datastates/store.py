@@ -86,6 +86,8 @@ class Store:
         self._pack_used: dict[str, float] = {}
         self._evict_lock = threading.Lock()
         self.flusher: Flusher | None = None
+        self.reuse_unchanged = False
+        self._last_saved: dict[str, tuple[tuple[object, ...], list[bytes], dict[str, Any], int]] = {}
         self.chunk_size = chunk_size
         self.verify = verify
         self._closed = False
@@ -122,13 +124,16 @@ class Store:
     def open(cls, path: str | os.PathLike[str], *, create: bool = True, chunk_size: int | None = None,
              pool_bytes: int | None = None, verify: bool = True, zstd_level: int = 0, workers: int = 2,
              hot: str | os.PathLike[str] | None = None, hot_capacity: str | int | None = None,
-             flush: Flush | None = None, promote: bool | None = None) -> Store:
+             flush: Flush | None = None, promote: bool | None = None, reuse_unchanged: bool = False) -> Store:
         """Open (and by default create) the store at `path`.
 
         With `hot=DIR`, `path` is the cold tier (shared, the truth) and DIR the
         node-local hot tier that saves land on; the flusher copies versions to
         cold in the background (`flush=Flush(every=N)` or `tagged_only`), and
         `hot_capacity` ("200GiB") bounds hot by evicting flushed packs (LRU).
+        `reuse_unchanged=True` skips copying and hashing tensors that torch's
+        version counter says are untouched since this store last saved them
+        (see `save_async`).
         These settings are kept in `path/config.toml`, so a later open of
         `path` alone (CLI, server) sees the same tiers.
         Raises StoreFormatError for a newer format or a non-store directory,
@@ -143,7 +148,9 @@ class Store:
             saved = None  # cold unreachable: go on with what the caller gave
         hot_dir = hot if hot is not None else (saved.hot if saved else None)
         if hot_dir is None:
-            return cls._open_single(root, create, chunk_size, pool_bytes, verify, zstd_level, workers)
+            store = cls._open_single(root, create, chunk_size, pool_bytes, verify, zstd_level, workers)
+            store.reuse_unchanged = reuse_unchanged
+            return store
         cfg = TierConfig(hot=str(Path(hot_dir).expanduser()),
                          hot_capacity=tier_config.parse_size(hot_capacity) if hot_capacity is not None
                          else (saved.hot_capacity if saved else None),
@@ -185,6 +192,7 @@ class Store:
             except OSError as exc:
                 log.warning("cold tier %s unreadable at open (%s); working from hot", root, exc)
         store._start_flusher()
+        store.reuse_unchanged = reuse_unchanged
         return store
 
     @classmethod
@@ -288,13 +296,19 @@ class Store:
                    step: int | None = None, epoch: int | None = None, hparams: dict[str, Any] | None = None,
                    metrics: dict[str, Any] | None = None, message: str = "", allow_pickle: bool = False,
                    lazy: bool = False, optimizer: torch.optim.Optimizer | None = None,
-                   fork_of: Any = None, explore: dict[str, Any] | None = None) -> SaveHandle:
+                   fork_of: Any = None, explore: dict[str, Any] | None = None,
+                   reuse_unchanged: bool | None = None) -> SaveHandle:
         """Start saving `state`; return once its tensors are copied (at once when `lazy`).
 
         `parents=None` makes the version a child of the branch head at commit
         time (linear history even with several writers). With `lazy=True` the
         copy runs in the background: call `handle.wait_staged()` before
         mutating tensors, or pass `optimizer=` so its next `step()` waits.
+        `reuse_unchanged=True` (default: the store's setting) reuses the chunks
+        of a tensor whose storage, shape and torch version counter are the same
+        as when this store last saved it under the same key: no copy, no hash.
+        Writes that bypass the version counter (through `.data`, numpy views
+        or ctypes) are not seen, hence opt-in.
         Raises (before anything is written) UnsupportedValueError,
         InvalidNameError, NotFoundError for unknown parents, SaveFailedError
         for an earlier failed background save.
@@ -316,6 +330,8 @@ class Store:
             "explore": None if explore is None else plain_json(explore, "explore"),
         }
         tree, entries = flatten(state, allow_pickle=allow_pickle)
+        if self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged:
+            self._reuse_unchanged(entries)
         handle = SaveHandle()
         job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
                       ticket=self._capture_order.ticket())
@@ -330,6 +346,19 @@ class Store:
             capture(job, self.pool, stream, self._capture_order)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
+
+    def _reuse_unchanged(self, entries: list[Any]) -> None:
+        """Point untouched tensors at the chunks and stats this store saved for them last time."""
+        candidates = []
+        for e in entries:
+            last = self._last_saved.get(e.key) if e.kind == "tensor" else None
+            if last is not None and last[0] == e.sig and last[3] == self.chunk_size:
+                candidates.append((e, last))
+        wanted = [c for _, last in candidates for c in last[1]]
+        if not candidates or not all(self.catalog.has_chunks(wanted)):
+            return  # something was pruned and collected since: copy everything
+        for e, last in candidates:
+            e.chunks, e.stats, e.source = list(last[1]), dict(last[2]), None
 
     def _wait_before_step(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
         """Make the optimizer's next step() wait until `handle` is staged.
@@ -395,6 +424,9 @@ class Store:
                 refs.set_if_equals("branch", branch, head, vid, f"save: {req['message']}".strip(), locked=True)
         for w in job.packs:
             self._pack_used[w.id] = time.monotonic()
+        for e in job.entries:
+            if e.kind == "tensor" and e.sig is not None:
+                self._last_saved[e.key] = (e.sig, list(e.chunks), dict(e.stats), job.chunk_size)
         if to_flush and self.flusher is not None:
             self.flusher.enqueue(vid)
         job.handle._flushed = lambda timeout: self._wait_flushed(vid, timeout)

@@ -1,0 +1,52 @@
+"""reuse_unchanged: tensors torch's version counter says are untouched are not copied or hashed again."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import datastates as ds
+
+
+def _state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {f"t{i}": torch.randn(64 * 1024, generator=g) for i in range(10)}
+
+
+def test_unchanged_tensors_reuse_chunks_and_stats(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "s", reuse_unchanged=True)
+    state = _state()
+    v1 = s.save(state)
+    state["t3"].mul_(2)  # an in-place op bumps the version counter
+    state["t7"][5] = 42.0
+    v2 = s.save(state)
+    assert v2.bytes_new == 2 * 64 * 1024 * 4
+    loaded = s.load(v2)
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    stats1 = {i.key: i.stats for i in s.ls(v1)}
+    stats2 = {i.key: i.stats for i in s.ls(v2)}
+    assert stats2["t0"] == stats1["t0"]
+    assert stats2["t3"]["max"] == stats1["t3"]["max"] * 2
+    s.close()
+
+
+def test_a_replaced_tensor_is_copied_again(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "s", reuse_unchanged=True)
+    state = _state()
+    s.save(state)
+    state["t1"] = torch.zeros(64 * 1024)  # new storage under the same key
+    v = s.save(state)
+    assert torch.equal(s.load(v)["t1"], torch.zeros(64 * 1024))
+    s.close()
+
+
+def test_off_by_default_so_writes_through_data_are_saved(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "s")
+    state = _state()
+    s.save(state)
+    state["t2"].data.fill_(3.0)  # bypasses the version counter
+    v = s.save(state)
+    assert torch.equal(s.load(v)["t2"], torch.full((64 * 1024,), 3.0))
+    assert s.save(state, reuse_unchanged=True).bytes_new == 0
+    s.close()
