@@ -29,7 +29,7 @@ import torch
 from . import config as tier_config
 from . import manifest as mf
 from .catalog import Catalog, CommitBatch
-from .chunks import CODEC_ZSTD, DEFAULT_CHUNK_SIZE, ChunkLocation, chunk_id
+from .chunks import CODEC_RAW, CODEC_ZSTD, DEFAULT_CHUNK_SIZE, ChunkLocation, chunk_id
 from .config import Flush, TierConfig
 from .engine import BufferPool, CaptureOrder, Pipeline, SaveHandle, SaveJob, capture
 from .errors import (
@@ -290,14 +290,14 @@ class Store:
     # saving --------------------------------------------------------------------
     def save(self, state: Any, *, branch: str | None = "main", **kw: Any) -> Version:
         """Save `state` and wait until it is durable; see `save_async` for the arguments."""
-        return self.save_async(state, branch=branch, **kw).result()
+        return self.save_async(state, branch=branch, _overlap=True, **kw).result()
 
     def save_async(self, state: Any, *, branch: str | None = "main", parents: Sequence[Any] | None = None,
                    step: int | None = None, epoch: int | None = None, hparams: dict[str, Any] | None = None,
                    metrics: dict[str, Any] | None = None, message: str = "", allow_pickle: bool = False,
                    lazy: bool = False, optimizer: torch.optim.Optimizer | None = None,
                    fork_of: Any = None, explore: dict[str, Any] | None = None,
-                   reuse_unchanged: bool | None = None) -> SaveHandle:
+                   reuse_unchanged: bool | None = None, _overlap: bool = False) -> SaveHandle:
         """Start saving `state`; return once its tensors are copied (at once when `lazy`).
 
         `parents=None` makes the version a child of the branch head at commit
@@ -335,6 +335,8 @@ class Store:
         handle = SaveHandle()
         job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
                       ticket=self._capture_order.ticket())
+        if _overlap and not lazy:
+            job.go.set()  # the caller waits for durability anyway: hash while it copies
         stream = self._stream_for(entries)
         self.pipeline.submit(job)
         if lazy:
@@ -880,14 +882,32 @@ class Store:
         arr = flat.numpy()
         locs = self.catalog.chunks(r["chunks"])
         pos = 0
-        for cid, loc in zip(r["chunks"], locs):
-            if loc is None:
-                raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {r['key']!r} is not in the catalog; "
-                                    "run `datastates fsck`")
-            view = arr[pos:pos + loc.raw_length].data
-            self._read_chunk(cid, loc, view, r["key"])
-            pos += loc.raw_length
+        for run in _contiguous_runs(list(zip(r["chunks"], locs)), r["key"]):
+            size = sum(loc.raw_length for _, loc in run)
+            if len(run) > 1 and self._read_run(run, arr[pos:pos + size].data):
+                pos += size
+                continue
+            for cid, loc in run:
+                self._read_chunk(cid, loc, arr[pos:pos + loc.raw_length].data, r["key"])
+                pos += loc.raw_length
         return out
+
+    def _read_run(self, run: list[tuple[bytes, ChunkLocation]], out: memoryview) -> bool:
+        """One read for chunks stored back to back in one hot pack, then verify each; False (nothing
+        trusted) if any part fails, so the caller falls back to chunk-by-chunk reads across tiers."""
+        first = run[0][1]
+        span = ChunkLocation(first.pack, first.offset, len(out), len(out))
+        try:
+            self.hot.reader.read_into(span, out)
+        except (NotFoundError, IntegrityError, OSError):
+            return False
+        pos = 0
+        for cid, loc in run:
+            if self.verify and chunk_id(out[pos:pos + loc.raw_length]) != cid:
+                return False
+            pos += loc.raw_length
+        self._pack_used[first.pack] = time.monotonic()
+        return True
 
     def _read_chunk(self, cid: bytes, loc: ChunkLocation, out: memoryview, key: str) -> None:
         """`_read_chunk_at`, looking the chunk up again once if its pack vanished: gc in another
@@ -1071,6 +1091,23 @@ try:
 except ImportError:  # zstd is optional; without it no chunk can be zstd-coded on this side
     class _ZstdError(Exception):  # type: ignore[no-redef]
         pass
+
+
+def _contiguous_runs(chunks: list[tuple[bytes, ChunkLocation | None]],
+                     key: str) -> list[list[tuple[bytes, ChunkLocation]]]:
+    """Group a tensor's chunks into runs stored back to back, uncompressed, in one pack."""
+    runs: list[list[tuple[bytes, ChunkLocation]]] = []
+    for cid, loc in chunks:
+        if loc is None:
+            raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; "
+                                "run `datastates fsck`")
+        prev = runs[-1][-1][1] if runs else None
+        if (prev is not None and loc.codec == CODEC_RAW and prev.codec == CODEC_RAW and prev.pack == loc.pack
+                and prev.offset + prev.length == loc.offset):
+            runs[-1].append((cid, loc))
+        else:
+            runs.append([(cid, loc)])
+    return runs
 
 
 def _check_shapes(name: str, saved: Any, live: dict[str, Any], v: Version) -> None:
