@@ -34,6 +34,7 @@ from .config import Flush, TierConfig
 from .engine import BufferPool, CaptureOrder, Pipeline, SaveHandle, SaveJob, capture
 from .errors import (
     AmbiguousRefError,
+    ConflictError,
     DataStatesError,
     IntegrityError,
     InvalidNameError,
@@ -648,8 +649,20 @@ class Store:
         return vid
 
     def delete_branch(self, name: str) -> str:
-        """Delete a branch (its versions stay reachable by id and by the reflog)."""
-        return self.tier.refs.remove_if_equals("branch", name, message="delete")
+        """Delete a branch (its versions stay reachable by id and by the reflog), on cold too."""
+        return self._delete_ref("branch", name)
+
+    def _delete_ref(self, kind: str, name: str) -> str:
+        vid = self.tier.refs.remove_if_equals(kind, name, message="delete")  # type: ignore[arg-type]
+        if self.cold is not None:
+            # Otherwise the next open's refresh would bring it back from cold.
+            try:
+                self.cold.refs.remove_if_equals(kind, name, vid, message="delete")  # type: ignore[arg-type]
+            except (NotFoundError, ConflictError):
+                pass  # absent on cold, or another host moved it there: theirs to keep
+            except OSError as exc:
+                log.warning("could not delete %s %r on cold (%s); it may come back at the next open", kind, name, exc)
+        return vid
 
     def tag(self, name: str, ref: Any = "main", message: str = "") -> str:
         """Create an immutable tag. Raises ConflictError if it exists (delete it first)."""
@@ -663,7 +676,8 @@ class Store:
         return vid
 
     def delete_tag(self, name: str) -> str:
-        return self.tier.refs.remove_if_equals("tag", name, message="delete")
+        """Delete a tag (here and on cold); the version stays reachable by id."""
+        return self._delete_ref("tag", name)
 
     def reflog(self, name: str, kind: str = "branch") -> list[dict[str, object]]:
         return self.tier.refs.reflog(kind, name)  # type: ignore[arg-type]
@@ -783,6 +797,9 @@ class Store:
             if branch:
                 refs.set_if_equals("branch", branch, refs.get("branch", branch), vid, f"fork of {src.short}",
                                    locked=True)
+        if self.flusher is not None and self._wants_flush(branch):
+            self._mark_pending(vid)
+            self.flusher.enqueue(vid)
         return self.version(vid)
 
     # loading -----------------------------------------------------------------------

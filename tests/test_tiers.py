@@ -316,3 +316,20 @@ def test_pruned_but_uncollected_packs_are_not_debris(tmp_path: Path) -> None:
     assert len(_packs(tmp_path / "s")) == 1
     assert s.load(vs[3])["i"].item() == 3
     s.close()
+
+
+def test_deleted_refs_stay_deleted_and_forks_flush(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    v = s.save(_state(1, 100), step=1)
+    s.tag("t", v)
+    s.branch("side", at=v)
+    f = s.fork(v, branch="side", hparams={"lr": 0.5})
+    assert s.flush(timeout=30)
+    assert s.where(f) == ["hot", "cold"]
+    s.delete_tag("t")
+    s.delete_branch("side")
+    s.close()
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    assert "t" not in s.tags() and "side" not in s.branches()
+    assert s.version(f).hparams == {"lr": 0.5}
+    s.close()
