@@ -23,6 +23,7 @@ from .chunks import ChunkLocation
 _LOC = struct.Struct("<16sQQQB")
 _OPEN: dict[str, tuple[lmdb.Environment, int]] = {}
 _OPEN_LOCK = threading.Lock()
+_DB_HANDLES: dict[str, dict[str, Any]] = {}
 _DBS = (b"chunks", b"packs", b"versions", b"children", b"extra", b"annotations", b"meta")
 
 
@@ -53,16 +54,17 @@ class Catalog:
     def __init__(self, path: Path) -> None:
         self.path = path
         key = os.path.realpath(path)
-        with _OPEN_LOCK:
+        with _OPEN_LOCK:  # LMDB forbids concurrent mdb_dbi_open: open the tables once, under the lock
             env, refs = _OPEN.get(key, (None, 0))
             if env is None:
                 path.mkdir(parents=True, exist_ok=True)
                 # map_size is virtual address space; the file grows only as pages are used.
                 env = lmdb.open(str(path), map_size=1 << 40, max_dbs=len(_DBS), subdir=True, max_readers=256)
+                _DB_HANDLES[key] = {name.decode(): env.open_db(name) for name in _DBS}
             _OPEN[key] = (env, refs + 1)
+            self._db = _DB_HANDLES[key]
         self._key = key
         self.env = env
-        self._db = {name.decode(): env.open_db(name) for name in _DBS}
 
     def close(self) -> None:
         with _OPEN_LOCK:
@@ -71,6 +73,7 @@ class Catalog:
                 return
             if refs <= 1:
                 del _OPEN[self._key]
+                _DB_HANDLES.pop(self._key, None)
                 env.close()
             else:
                 _OPEN[self._key] = (env, refs - 1)

@@ -48,7 +48,8 @@ _HOST = socket.gethostname().replace(".", "_")
 def _tmp_path(final: Path) -> Path:
     # Host and pid in the name let fsck tell a dead writer's debris from a live one's work.
     # The final name is cut so a 255-byte name still leaves room for the suffix (NAME_MAX is 255).
-    return final.with_name(f".{final.name[:120]}.{_HOST[:60]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    short = final.name.encode()[:120].decode(errors="ignore")  # bytes, not characters, count for NAME_MAX
+    return final.with_name(f".{short}.{_HOST[:60]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
 def tmp_is_stale(path: Path, max_age_s: float = 3600.0) -> bool:

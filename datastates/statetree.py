@@ -76,6 +76,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)  # strides of empty tensors can be anything
     flat = t.detach().reshape(-1)
+    if flat.stride(-1) != 1:
+        # A strided 1-d view survives reshape; one element counts as contiguous whatever its stride.
+        flat = flat.as_strided((1,), (1,)) if flat.numel() == 1 else flat.contiguous()
     if flat.dtype == torch.uint8:
         return flat
     return flat.view(torch.uint8)
