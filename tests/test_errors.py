@@ -1,0 +1,309 @@
+"""Bad input raises a typed error with a message naming the culprit, and changes nothing.
+
+"Changes nothing" is checked with the `unchanged` fixture: the same files with the same bytes under the
+store directory (catalog/ and locks/ aside), the same branches, tags and number of versions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import copy_store
+from helpers.procs import Zygote
+from helpers.states import snapshot, snapshot_digest
+from torch import nn
+
+import datastates as ds
+
+
+@pytest.fixture(scope="module")
+def filled_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A closed store with a root and a child on main, a branch `side` and a tag `t1`."""
+    path = tmp_path_factory.mktemp("filled") / "store"
+    with ds.Store.open(path) as s:
+        root = s.save({"w": torch.arange(4.0), "n": 0}, step=0)
+        s.save({"w": torch.arange(4.0) + 1, "n": 1}, step=1)
+        s.branch("side", at=root)
+        s.tag("t1", "main")
+    return path
+
+
+@pytest.fixture
+def filled(filled_template: Path, tmp_path: Path) -> Iterator[ds.Store]:
+    """A fresh copy of `filled_template`, open."""
+    s = ds.Store.open(copy_store(filled_template, tmp_path / "store"))
+    yield s
+    s.close(raise_errors=False)
+
+
+# --------------------------------------------------------------------------- unknown refs
+@pytest.mark.parametrize("ref", ["nope", "0" * 64, "abcdef", "abcdef0123", "main~2", "main~1~1", "main^^",
+                                 "side~1", "t1~5", "nope~1", "ABCDEF", "", "main~x"])
+def test_unknown_ref_raises_not_found(filled: ds.Store, unchanged: Any, ref: str) -> None:
+    with unchanged(filled):
+        for call in (filled.resolve, filled.version, filled.load, filled.ls, lambda r: filled.tag("new", r),
+                     lambda r: filled.branch("new", at=r), lambda r: filled.log(r)):
+            with pytest.raises(ds.NotFoundError):
+                call(ref)
+
+
+def test_not_found_messages_say_what_and_what_to_do(filled: ds.Store) -> None:
+    with pytest.raises(ds.NotFoundError, match="'nope'.*datastates"):
+        filled.resolve("nope")
+    with pytest.raises(ds.NotFoundError, match="past the root"):
+        filled.resolve("main~2")
+    assert filled.resolve("main~1") == filled.version("side").id
+
+
+@pytest.mark.parametrize("n", range(1, 6))
+def test_prefix_shorter_than_six_hex_is_refused(filled: ds.Store, n: int) -> None:
+    vid = filled.resolve("main")
+    with pytest.raises(ds.NotFoundError, match="too short"):
+        filled.resolve(vid[:n])
+    assert filled.resolve(vid[:6]) == vid
+
+
+def test_non_string_ref(filled: ds.Store) -> None:
+    for ref in (None, 3, b"main", ["main"]):
+        with pytest.raises(ds.NotFoundError):
+            filled.resolve(ref)
+
+
+# --------------------------------------------------------------------------- bad names
+BAD_NAMES = ["..", "a..b", "/lead", "trail/", "a//b", "nul\x00", "ctl\x01", "tab\t", "new\nline", "del\x7f",
+             "x" * 256, "\u00e9" * 128, "~", "a~1", "sp ace", " ", "", "a^", "a:b", "a?", "a*", "a[0]", "back\\slash",
+             "-dash", ".dot", "x.lock", "HEAD", "@"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES, ids=repr)
+def test_bad_names_are_refused_everywhere(filled: ds.Store, unchanged: Any, name: str) -> None:
+    with unchanged(filled):
+        with pytest.raises(ds.InvalidNameError):
+            filled.branch(name, at="main")
+        with pytest.raises(ds.InvalidNameError):
+            filled.branch(name, at="main", force=True)
+        with pytest.raises(ds.InvalidNameError):
+            filled.tag(name, "main")
+        with pytest.raises(ds.InvalidNameError):
+            filled.save({"x": torch.ones(2)}, branch=name)
+        with pytest.raises(ds.InvalidNameError):
+            filled.save_async({"x": torch.ones(2)}, branch=name)
+
+
+def test_non_string_names(filled: ds.Store, unchanged: Any) -> None:
+    with unchanged(filled):
+        for name in (None, 5, b"main"):
+            with pytest.raises(ds.InvalidNameError):
+                filled.tag(name, "main")  # type: ignore[arg-type]
+            with pytest.raises(ds.InvalidNameError):
+                filled.branch(name, at="main")  # type: ignore[arg-type]
+
+
+# Regression: names the check accepted could still exceed NAME_MAX in the ref's (temp) file name and raise a
+# raw OSError ENAMETOOLONG. A name is now either stored or refused up front.
+# utf8-254 was a separate bug: the temp name was cut to 120 characters, not bytes.
+@pytest.mark.parametrize("name", ["b" * 242, "b" * 255, "\u00e9" * 127, "a/" * 100 + "a", "%" * 90],
+                         ids=["242", "255", "utf8-254", "slashes", "percents"])
+def test_longest_valid_names(filled: ds.Store, unchanged: Any, name: str) -> None:
+    try:
+        filled.branch(name, at="main")
+    except ds.InvalidNameError:
+        with unchanged(filled), pytest.raises(ds.InvalidNameError):
+            filled.tag(name, "main")
+        assert len(name.replace("%", "%25").replace("/", "%2F").encode()) > 255  # refused only if too long
+        return
+    assert filled.resolve(name) == filled.resolve("main")
+    assert name in filled.branches()
+    filled.tag(name, "main")
+    assert filled.tags()[name] == filled.resolve("main")
+
+
+# --------------------------------------------------------------------------- values that cannot be stored
+@pytest.mark.parametrize("state,path", [
+    ({"model": {"fn": lambda x: x}}, "model.fn"),
+    ({"a": [1, object()]}, "a.1"),
+    ({"cfg": {"s": {1, 2}}}, "cfg.s"),
+    ({"t": (torch.ones(1), nn.ReLU)}, "t.1"),
+    ({"x": {("tuple", "key"): 1}}, "x"),
+    ({"sparse": torch.eye(3).to_sparse()}, "sparse"),
+    ({"meta": torch.empty(3, device="meta")}, "meta"),
+], ids=["lambda", "object", "set", "class", "tuple-key", "sparse", "meta"])
+def test_unsupported_value_names_its_key_path(filled: ds.Store, unchanged: Any, state: Any, path: str) -> None:
+    with unchanged(filled):
+        with pytest.raises(ds.UnsupportedValueError) as err:
+            filled.save(state)
+        assert path in str(err.value)
+
+
+def test_two_values_on_one_key_path(filled: ds.Store, unchanged: Any) -> None:
+    with unchanged(filled), pytest.raises(ds.UnsupportedValueError, match="a.b"):
+        filled.save({"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}})
+
+
+@pytest.mark.parametrize("field", ["hparams", "metrics"])
+def test_unsupported_hparams_and_metrics(filled: ds.Store, unchanged: Any, field: str) -> None:
+    with unchanged(filled), pytest.raises(ds.UnsupportedValueError, match="opt"):
+        filled.save({"x": torch.ones(1)}, **{field: {"opt": object()}})
+
+
+def test_unknown_parent(filled: ds.Store, unchanged: Any) -> None:
+    with unchanged(filled), pytest.raises(ds.NotFoundError):
+        filled.save({"x": torch.ones(1)}, parents=["nope"])
+
+
+class Payload:
+    """A picklable object with no state_dict."""
+
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Payload) and other.v == self.v
+
+
+def test_pickle_only_when_asked_on_both_sides(filled: ds.Store, unchanged: Any) -> None:
+    state = {"obj": Payload(7), "t": torch.ones(2)}
+    with unchanged(filled), pytest.raises(ds.UnsupportedValueError, match="obj.*allow_pickle"):
+        filled.save(state)
+    v = filled.save(state, allow_pickle=True, branch="pickled")
+    with unchanged(filled):
+        with pytest.raises(ds.UnsupportedValueError, match="obj"):
+            filled.load(v)
+        got = filled.load(v, allow_pickle=True)
+    assert got["obj"] == Payload(7) and type(got["obj"]) is Payload
+    assert torch.equal(got["t"], torch.ones(2))
+    assert filled.load(v, keys=["t"])["t"].sum().item() == 2.0  # tensors alone need no pickle
+
+
+def test_unpicklable_with_allow_pickle(filled: ds.Store, unchanged: Any) -> None:
+    with unchanged(filled), pytest.raises(ds.UnsupportedValueError, match="fn"):
+        filled.save({"fn": lambda: 1}, allow_pickle=True)
+
+
+# --------------------------------------------------------------------------- store format
+def _format(path: Path) -> dict[str, Any]:
+    return dict(json.loads((path / "FORMAT").read_text()))
+
+
+def test_newer_format_is_refused(filled: ds.Store) -> None:
+    path = filled.path
+    filled.save({"x": torch.ones(1)})
+    filled.close()
+    info = _format(path)
+    info["format"] = 99
+    (path / "FORMAT").write_text(json.dumps(info))
+    before = snapshot(path)
+    catalog = {p.name: p.read_bytes() for p in (path / "catalog").iterdir()}
+    with pytest.raises(ds.StoreFormatError, match="99"):
+        ds.Store.open(path)
+    with pytest.raises(ds.StoreFormatError):
+        ds.Store.open(path, create=False)
+    assert snapshot(path) == before
+    assert {p.name: p.read_bytes() for p in (path / "catalog").iterdir()} == catalog
+
+
+@pytest.mark.parametrize("text", ["not json", "{}", '{"format": "x"}', "[1]"])
+def test_damaged_format_file(tmp_path: Path, text: str) -> None:
+    ds.Store.open(tmp_path / "s").close()
+    (tmp_path / "s" / "FORMAT").write_text(text)
+    with pytest.raises(ds.StoreFormatError):
+        ds.Store.open(tmp_path / "s")
+
+
+def test_non_store_directory_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "precious.txt").write_text("keep me")
+    with pytest.raises(ds.StoreFormatError):
+        ds.Store.open(tmp_path / "d")
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["precious.txt"]
+
+
+def test_missing_store_without_create(tmp_path: Path) -> None:
+    with pytest.raises(ds.NotFoundError):
+        ds.Store.open(tmp_path / "absent", create=False)
+    assert not (tmp_path / "absent").exists()
+
+
+def test_closed_store(tmp_path: Path) -> None:
+    s = ds.Store.open(tmp_path / "s")
+    s.save({"x": torch.ones(1)})
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(ds.StoreClosedError):
+        s.save({"x": torch.ones(1)})
+    with pytest.raises(ds.StoreClosedError):
+        s.load("main")
+
+
+# --------------------------------------------------------------------------- loading into live objects
+def test_checkout_into_wrong_shape(filled: ds.Store) -> None:
+    """Regression: torch's RuntimeError escaped after the matching tensors were copied (half-loaded module)."""
+    v = filled.save({"model": nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))}, branch="m")
+    target = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 5))
+    before = {k: x.clone() for k, x in target.state_dict().items()}
+    with pytest.raises(ds.ShapeMismatchError, match="1.weight"):
+        filled.checkout(v, model=target)
+    assert all(torch.equal(before[k], x) for k, x in target.state_dict().items())
+
+
+# --------------------------------------------------------------------------- failures after the bytes are written
+def _commitfail(zygote: Zygote, path: Path, mode: str) -> dict[str, list[str]]:
+    """Run `saver.py commitfail`; its RESULT, SNAP, NEXT and LOAD lines (words after the tag)."""
+    pid = zygote.start("commitfail", str(path), mode)
+    status = zygote.exit_status(pid, timeout=60)
+    assert os.WIFEXITED(status), status
+    out = {w: [" ".join(x[1:]) for x in zygote.lines.of(pid, w)] for w in ("RESULT", "SNAP", "NEXT", "LOAD")}
+    assert len(out["RESULT"]) == 1 and len(out["SNAP"]) == 1, out
+    return out
+
+
+def test_full_disk_during_commit_raises_and_changes_nothing(zygote: Zygote, filled: ds.Store) -> None:
+    """Regression: a failure after the last slot (here ENOSPC on the manifest) used to hang the save forever."""
+    path = filled.path
+    head, versions = filled.resolve("main"), filled.catalog.version_count()
+    filled.close()
+    before = snapshot_digest(path)
+    out = _commitfail(zygote, path, "enospc")
+    assert out["RESULT"] == ["StorageFullError"]
+    assert out["SNAP"] == [before]  # nothing of the failed save is left: no pack, manifest, record or ref move
+    # The next save may first report the earlier failure (SaveFailedError); then saving works again.
+    assert out["NEXT"][-1].startswith("ok ") and set(out["NEXT"][:-1]) <= {"SaveFailedError"}, out["NEXT"]
+    assert out["LOAD"] == ["ok"]
+    with ds.Store.open(path) as s:
+        assert s.catalog.version_count() == versions + 1
+        assert s.version("main").parents == (head,)
+        assert s.fsck().ok
+
+
+def test_save_on_a_too_long_branch_name(zygote: Zygote, filled: ds.Store) -> None:
+    """Regression: a 250-byte name passed the check but its temp file did not fit NAME_MAX; the save failed late,
+    after the version was indexed, and (before that) hung the pipeline."""
+    path = filled.path
+    filled.close()
+    before = snapshot_digest(path)
+    out = _commitfail(zygote, path, "longname")
+    assert out["RESULT"] == ["InvalidNameError"] or out["RESULT"][0].startswith("ok "), out
+    if out["RESULT"] == ["InvalidNameError"]:
+        assert out["SNAP"] == [before]
+    assert out["NEXT"][-1].startswith("ok ") and out["LOAD"] == ["ok"], out
+    with ds.Store.open(path) as s:
+        assert s.fsck().ok
+
+
+def test_failed_branch_move_keeps_the_store_consistent(zygote: Zygote, filled: ds.Store) -> None:
+    """Regression: a commit failing after the catalog indexed the version unlinked its packs anyway, so a later
+    save of the same tensors deduplicated against deleted chunks and could not be loaded."""
+    path = filled.path
+    filled.close()
+    out = _commitfail(zygote, path, "refmove")
+    assert out["RESULT"] == ["SaveFailedError"], out
+    assert out["NEXT"][-1].startswith("ok "), out
+    assert out["LOAD"] == ["ok"], out  # the same tensors, saved again on another branch, load
+    with ds.Store.open(path) as s:
+        assert s.fsck().ok
