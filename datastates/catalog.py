@@ -46,6 +46,9 @@ class CommitBatch:
     chunks: list[tuple[bytes, ChunkLocation]] = field(default_factory=list)
     packs: dict[str, dict[str, Any]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    overwrite_chunks: bool = False
+    """Point known chunks at these new locations (a tiered store rewrote them to hot because the
+    copy it knew of was on cold only); otherwise the first writer's location stays."""
 
 
 class Catalog:
@@ -132,8 +135,8 @@ class Catalog:
             for pack, info in batch.packs.items():
                 txn.put(bytes.fromhex(pack), json.dumps(info).encode(), db=self._db["packs"])
             for cid, loc in batch.chunks:
-                # First writer wins: a chunk another process indexed already stays where it is.
-                txn.put(cid, _pack_loc(loc), db=self._db["chunks"], overwrite=False)
+                # Unless told otherwise, the first writer wins: a chunk another process indexed stays put.
+                txn.put(cid, _pack_loc(loc), db=self._db["chunks"], overwrite=batch.overwrite_chunks)
             txn.put(vid, batch.record, db=self._db["versions"])
             for p in batch.parents:
                 txn.put(bytes.fromhex(p) + vid, b"", db=self._db["children"])

@@ -11,6 +11,7 @@ Jobs commit one at a time in the order they were made.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -195,6 +196,8 @@ class SaveJob:
     go: threading.Event = field(default_factory=threading.Event)
     """Set when the background may start: capture finished, or it waits for slots. Until then
     hashing stays off the cores so the caller's copy runs at full speed."""
+    pins: set[str] = field(default_factory=set)
+    """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""
 
 
 class CaptureOrder:
@@ -316,7 +319,8 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
 class Pipeline:
     """The background half: one thread that takes jobs in order, plus hashing workers."""
 
-    def __init__(self, commit: Callable[[SaveJob], Version], has_chunks: Callable[[list[bytes]], list[bool]],
+    def __init__(self, commit: Callable[[SaveJob], Version],
+                 has_chunks: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], pool: BufferPool, workers: int = 2, zstd_level: int = 0,
                  pack_bytes: int = 1 << 31, on_error: Callable[[SaveJob, BaseException], None] | None = None,
                  guard: Callable[[], Any] | None = None) -> None:
@@ -391,8 +395,9 @@ class Pipeline:
         t0 = time.perf_counter()
         try:
             while (slot := job.slots.get()) is not None:
+                # The workers only ask whether compressing is worth it: no job, nothing pinned.
                 window.append((slot, self._workers.submit(_hash_slot, slot, job.entries, self.zstd_level,
-                                                          self._has_chunks)))
+                                                          functools.partial(self._has_chunks, None))))
                 # Hash the next slot while writing this one, but never sit on slots waiting for more:
                 # the capture may need them back to go on (pool smaller than the state).
                 while window and (len(window) >= 2 or job.slots.empty()):
@@ -415,7 +420,7 @@ class Pipeline:
     def _write(self, job: SaveJob, slot: Slot, fut: Future[list[tuple[bytes, Partial | None, bytes | None]]]) -> None:
         try:
             results = fut.result()
-            known = self._has_chunks([cid for cid, _, _ in results])
+            known = self._has_chunks(job, [cid for cid, _, _ in results])
             arr = slot.buf.numpy()
             for piece, (cid, st, packed), have in zip(slot.pieces, results, known):
                 e = job.entries[piece.row]

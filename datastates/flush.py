@@ -1,7 +1,8 @@
 """The flusher: copies committed versions from the hot tier to the cold tier, in commit order.
 
 For each version it copies the packs holding its chunks (those not on cold
-yet), then its manifests, then its record, then moves refs on cold
+yet), then, under cold's sweep lock (see `Tier.sweep_lock`), checks them
+again and writes its manifests and its record, then moves refs on cold
 (fast-forward only, compare-and-swap under the cold tier's lock file), and
 only then marks the version resident on cold. A crash at any point leaves at
 most temp files on cold; the version stays pending and is flushed again by
@@ -18,7 +19,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .errors import ConflictError, DataStatesError
+from .errors import ConflictError, DataStatesError, IntegrityError
 from .files import copy_file, replace, write_new
 
 if TYPE_CHECKING:
@@ -125,21 +126,35 @@ class Flusher:
         if data is None:
             return  # dropped by fsck/gc meanwhile
         v = store.version(vid)
+        packs: set[str] = set()
         if not v.pruned:
             for mid in v.manifests.values():
                 m = store.manifest(mid)
-                packs = {loc.pack for r in m.rows for loc in store.catalog.chunks(r["chunks"]) if loc is not None}
-                for pack in sorted(packs):
-                    if not cold.pack_path(pack).exists():
-                        copy_file(hot.pack_path(pack), cold.pack_path(pack))
-                if not cold.manifest_path(mid).exists():
-                    write_new(cold.manifest_path(mid), hot.read_manifest(mid))
-        write_new(cold.record_path(vid), data)
+                packs |= {loc.pack for r in m.rows for loc in store.catalog.chunks(r["chunks"]) if loc is not None}
+        self._copy_missing(packs)  # the long part, outside the lock
+        with cold.sweep_lock():
+            # A cold-tier gc (any host) may have deleted a pack since, if no version on cold named it.
+            self._copy_missing(packs)
+            if not v.pruned:
+                for mid in v.manifests.values():
+                    if not cold.manifest_path(mid).exists():
+                        write_new(cold.manifest_path(mid), hot.read_manifest(mid))
+            write_new(cold.record_path(vid), data)
         ann = hot.annotation_path(vid)
         if ann.exists():
             replace(cold.annotation_path(vid), ann.read_bytes())
         self._publish_refs(v)
         store.catalog.update_extra(vid, {"cold": True}, drop=("flush",))
+
+    def _copy_missing(self, packs: set[str]) -> None:
+        hot, cold = self.store.hot, self.store.cold
+        assert cold is not None
+        for pack in sorted(packs):
+            if cold.pack_path(pack).exists():
+                continue
+            if not hot.pack_path(pack).exists():
+                raise IntegrityError(f"pack {pack} is on neither tier; `datastates fsck` lists what needs it")
+            copy_file(hot.pack_path(pack), cold.pack_path(pack))
 
     def _publish_refs(self, v: Any) -> None:
         from .lineage import is_ancestor

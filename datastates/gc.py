@@ -14,7 +14,9 @@ Crash safety (kill -9 at any instant leaves every live chunk readable):
   live chunk before the old pack is dropped: until then both copies exist, and
   a new pack the catalog never came to name is an orphan for `fsck --repair`.
 
-With a cold tier, only the hot tier is collected (see `gc`).
+With a cold tier, gc also collects cold (see `collect_cold`): it deletes
+cold packs that no version on cold needs and manifests only pruned versions
+name, under the cold tier's sweep lock; it never repacks there.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -32,9 +35,10 @@ from tqdm import tqdm
 from .chunks import CODEC_ZSTD, ChunkLocation, chunk_id
 from .errors import DataStatesError, IntegrityError
 from .files import fsync_dir
+from .manifest import Manifest
 
 # The pack format's fixed sizes, so a dry run predicts a repacked pack's size exactly.
-from .packs import _ENTRY, _FOOTER, HEADER, read_index
+from .packs import _ENTRY, _FOOTER, HEADER, list_packs, read_index
 
 if TYPE_CHECKING:
     from .retention import Retention
@@ -44,6 +48,10 @@ T = TypeVar("T")
 
 REPACK_PACK_BYTES = 1 << 30
 """A repack rolls over to a new pack once the one it writes holds this many bytes."""
+
+COLD_GRACE_S = 3600.0
+"""A cold pack younger than this is never collected: a flusher may be copying the version that names it.
+(Safety does not rest on it: the flusher checks its packs again under the sweep lock. It saves re-copies.)"""
 
 
 @dataclass(frozen=True)
@@ -150,7 +158,8 @@ class _Sparse:
     live: list[tuple[bytes, ChunkLocation]]
 
 
-def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5) -> GcReport:
+def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5,
+       cold_grace_s: float = COLD_GRACE_S) -> GcReport:
     """Delete dead packs, repack sparse ones, delete manifests only pruned versions name.
 
     A pack is repacked when its live chunk bytes are under `repack_threshold`
@@ -158,10 +167,10 @@ def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5) -> Gc
     Holds the tier's exclusive lock throughout (saves in flight finish first, new
     ones wait), dry run included, so its figures are those a real run would give.
 
-    On a store with a cold tier only the hot tier is collected and nothing is
-    repacked: cold is shared by hosts whose catalogs this one cannot see or
-    update, so deleting or moving chunks there needs a cross-host protocol that
-    does not exist yet. A dead hot pack that cold also holds loses only its hot copy.
+    On a store with a cold tier, hot packs are not repacked (a pack on hot is
+    a copy of one on cold, or about to be) and a dead hot pack that cold also
+    holds loses only its hot copy; then cold is collected by `collect_cold`
+    when it is reachable (`cold_grace_s` is its age limit).
 
     Raises ValueError for a threshold outside [0, 1]; NotFoundError/IntegrityError
     if a manifest of a version that is not pruned cannot be read (nothing changed then).
@@ -221,8 +230,9 @@ def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5) -> Gc
                                 + sum(manifest_sizes.values()))
             dropped = (sum(indexed.get(p, 0) for p, _, forget in dead if forget)
                        + sum(indexed[s.pack] - len(s.live) for s in sparse))
-            return GcReport(True, tuple(p for p, _, _ in dead), tuple(s.pack for s in sparse), len(groups), written,
-                            len(manifest_sizes), len(live), dropped, freed, tuple(skipped))
+            report = GcReport(True, tuple(p for p, _, _ in dead), tuple(s.pack for s in sparse), len(groups),
+                              written, len(manifest_sizes), len(live), dropped, freed, tuple(skipped))
+            return _with_cold(store, report, cold_ok, cold_grace_s)
 
         dropped = 0
         for pack, size, forget in _progress(dead, "gc: deleting dead packs", unit="pack"):
@@ -254,8 +264,95 @@ def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5) -> Gc
             freed[tier.name] += size
         for d in dirs:
             fsync_dir(d)
-    return GcReport(False, tuple(p for p, _, _ in dead), tuple(s.pack for s in sparse if s.pack in repacked),
-                    n_written, written, len(manifest_sizes), len(live), dropped, freed, tuple(skipped))
+    report = GcReport(False, tuple(p for p, _, _ in dead), tuple(s.pack for s in sparse if s.pack in repacked),
+                      n_written, written, len(manifest_sizes), len(live), dropped, freed, tuple(skipped))
+    return _with_cold(store, report, cold_ok, cold_grace_s)
+
+
+def _with_cold(store: Store, report: GcReport, cold_ok: bool, grace_s: float) -> GcReport:
+    """`report` plus what collecting the cold tier did (or would do)."""
+    if store.cold is None:
+        return report
+    if not cold_ok:
+        return replace(report, skipped=report.skipped + (f"cold tier {store.cold.root}: unreachable, not collected",))
+    cold = collect_cold(store, dry_run=report.dry_run, grace_s=grace_s)
+    return replace(report, packs_deleted=report.packs_deleted + cold.packs_deleted,
+                   manifests_deleted=report.manifests_deleted + cold.manifests_deleted,
+                   chunks_dropped=report.chunks_dropped + cold.chunks_dropped,
+                   bytes_freed=report.bytes_freed | cold.bytes_freed, skipped=report.skipped + cold.skipped)
+
+
+def collect_cold(store: Store, dry_run: bool = False, grace_s: float = COLD_GRACE_S) -> GcReport:
+    """Delete cold packs holding no chunk that a version on cold (not pruned) names, and cold
+    manifests that only pruned versions name. Never repacks: other hosts' catalogs point into
+    cold packs, and only the locations of dead chunks may go stale under them.
+
+    Liveness comes from cold's own files (records, `.pruned` markers, manifests), which every
+    host flushes to, so it holds for all hosts: a version not on cold yet never needs a cold
+    pack, because saves on a tiered store only reuse chunks with a copy on hot, and eviction
+    keeps those until the version is on cold (see `Store._dedup` and `Store._evict`). The
+    sweep lock keeps flushers from publishing a version while its packs are judged.
+
+    Raises NotFoundError/IntegrityError, changing nothing, if a manifest of a version that is
+    not pruned cannot be read from cold (gc must not guess what is live).
+    """
+    cold, cat = store.cold, store.catalog
+    assert cold is not None
+    skipped: list[str] = []
+    with cold.sweep_lock():
+        pruned = set(cold.iter_ids("versions", "pruned"))
+        live_m: set[str] = set()
+        named_m: set[str] = set()
+        for vid in cold.iter_ids("versions", "json"):
+            try:
+                mids = json.loads(cold.read_record(vid) or b"{}").get("manifests", {}).values()
+            except ValueError as exc:
+                raise IntegrityError(f"gc stopped before changing anything: the record of {vid[:12]} on cold is "
+                                     f"not JSON ({exc}); run `datastates fsck`") from exc
+            named_m.update(mids)
+            if vid not in pruned:
+                live_m.update(mids)
+        live: set[bytes] = set()
+        for mid in _progress(sorted(live_m), "gc: reading cold manifests", unit="manifest"):
+            try:
+                col = Manifest(mid, cold.read_manifest(mid), verify=True).table.column("chunks").combine_chunks()
+            except (DataStatesError, OSError) as exc:
+                raise IntegrityError(f"gc stopped before changing anything: manifest {mid[:12]} of a version that "
+                                     f"is not pruned cannot be read from cold ({exc}); run `datastates fsck`") from exc
+            live.update(col.flatten().to_pylist())
+        now = time.time()
+        dead: list[tuple[str, int]] = []
+        for path in _progress(list(list_packs(cold.root / "packs")), "gc: judging cold packs", unit="pack"):
+            pack = path.name.removesuffix(".pack")
+            try:
+                st = path.stat()
+                index = read_index(path)
+            except (OSError, IntegrityError) as exc:
+                skipped.append(f"cold pack {pack}: {exc}")
+                continue
+            if now - st.st_mtime < grace_s:
+                continue  # a flush may be on its way to naming it
+            if not any(cid in live for cid, _ in index):
+                dead.append((pack, st.st_size))
+        dead_m = {mid: n for mid in sorted(named_m - live_m) if (n := _size(cold.manifest_path(mid))) is not None}
+        freed = sum(n for _, n in dead) + sum(dead_m.values())
+        dropped = 0
+        if not dry_run:
+            for pack, _ in _progress(dead, "gc: deleting cold packs", unit="pack"):
+                if not store.hot.pack_path(pack).exists():
+                    dropped += cat.drop_pack(pack)  # no copy left anywhere this host reads from
+                cold.reader.forget(pack)
+                cold.pack_path(pack).unlink(missing_ok=True)
+            if dead:
+                fsync_dir(cold.root / "packs")
+            dirs: set[Path] = set()
+            for mid in dead_m:
+                cold.manifest_path(mid).unlink(missing_ok=True)
+                dirs.add(cold.manifest_path(mid).parent)
+            for d in dirs:
+                fsync_dir(d)
+    return GcReport(dry_run, tuple(p for p, _ in dead), manifests_deleted=len(dead_m), chunks_live=len(live),
+                    chunks_dropped=dropped, bytes_freed={cold.name: freed}, skipped=tuple(skipped))
 
 
 def _exists(path: Path) -> bool | None:
@@ -380,13 +477,24 @@ def _best(text: str) -> tuple[int, str, str]:
     return n, metric, mode
 
 
-def _threshold(text: str) -> float:
+def _number(text: str) -> float:
     try:
-        f = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _threshold(text: str) -> float:
+    f = _number(text)
     if not 0.0 <= f <= 1.0:
         raise argparse.ArgumentTypeError(f"{f} must be between 0 and 1")
+    return f
+
+
+def _seconds(text: str) -> float:
+    f = _number(text)
+    if not f >= 0.0:
+        raise argparse.ArgumentTypeError(f"{f} must be 0 or more seconds")
     return f
 
 
@@ -396,6 +504,8 @@ def add_parsers(sub: Any) -> None:
     s.add_argument("--dry-run", action="store_true", help="say what would be freed; change nothing")
     s.add_argument("--repack-threshold", type=_threshold, default=0.5, metavar="F",
                    help="repack a pack whose live bytes are under this share of its bytes (default 0.5)")
+    s.add_argument("--cold-grace", type=_seconds, default=COLD_GRACE_S, metavar="SECONDS",
+                   help=f"leave cold packs younger than this alone (default {COLD_GRACE_S:.0f})")
     s.add_argument("--json", action="store_true")
     s = sub.add_parser("prune", help="mark versions pruned unless a --keep rule (or a tag, or a branch head) keeps "
                                      "them; `gc` then frees their bytes")
@@ -433,7 +543,7 @@ def run(store: Store, args: argparse.Namespace) -> int:
 
 
 def _run_gc(store: Store, args: argparse.Namespace) -> int:
-    rep = gc(store, dry_run=args.dry_run, repack_threshold=args.repack_threshold)
+    rep = gc(store, dry_run=args.dry_run, repack_threshold=args.repack_threshold, cold_grace_s=args.cold_grace)
     if args.json:
         print(json.dumps(rep.to_dict() | {"total_freed": rep.total_freed}, indent=2, sort_keys=True))
         return 0

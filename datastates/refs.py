@@ -7,11 +7,13 @@ reflog, so no ref move is ever silent.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
 import re
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,9 +60,10 @@ STALE_LOCK_S = 30.0
 
 
 @contextmanager
-def _lockfile(path: Path) -> Iterator[None]:
+def lockfile(path: Path) -> Iterator[None]:
     """A lock that works across hosts on POSIX shared file systems: O_CREAT|O_EXCL is atomic
-    there (flock is not everywhere). A lock older than STALE_LOCK_S is from a dead holder."""
+    there (flock is not everywhere). The holder touches the file every STALE_LOCK_S / 4
+    seconds, so a lock untouched for STALE_LOCK_S is from a dead holder and is broken."""
     path.parent.mkdir(parents=True, exist_ok=True)
     me = f"{socket.gethostname()} {os.getpid()} {time.time()}".encode()
     delay = 0.001
@@ -80,11 +83,23 @@ def _lockfile(path: Path) -> Iterator[None]:
                 continue
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+    stop = threading.Event()
+
+    def heartbeat() -> None:
+        while not stop.wait(STALE_LOCK_S / 4):
+            with contextlib.suppress(OSError):
+                os.utime(path)
+
+    beat = threading.Thread(target=heartbeat, name="datastates-lock-heartbeat", daemon=True)
     try:
         os.write(fd, me)
         os.close(fd)
+        beat.start()
         yield
     finally:
+        stop.set()
+        if beat.is_alive():
+            beat.join()
         path.unlink(missing_ok=True)
 
 
@@ -116,7 +131,7 @@ class RefStore:
     def locked(self) -> Iterator[None]:
         """Hold the tier's ref lock, exclusive across processes (and hosts, for a shared tier)."""
         if self.shared:
-            with _lockfile(self.root / "locks" / "refs.lockfile"):
+            with lockfile(self.root / "locks" / "refs.lockfile"):
                 yield
             return
         self._lock_path.parent.mkdir(parents=True, exist_ok=True)

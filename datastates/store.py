@@ -86,6 +86,8 @@ class Store:
         self._flush_counts: dict[str | None, int] = {}
         self._pack_used: dict[str, float] = {}
         self._evict_lock = threading.Lock()
+        self._pins: dict[str, int] = {}
+        """Hot packs that saves in flight reuse chunks from, with a count of such saves (under _evict_lock)."""
         self.flusher: Flusher | None = None
         self.reuse_unchanged = False
         self._last_saved: dict[str, tuple[tuple[object, ...], list[bytes], dict[str, Any], int]] = {}
@@ -98,7 +100,7 @@ class Store:
         self._table: tuple[Any, Any] | None = None
         self.pool = BufferPool(pool_bytes, max(chunk_size, 1 << 20), pin=torch.cuda.is_available())
         self._cuda_stream: Any = None
-        self.pipeline = Pipeline(self._commit, self.catalog.has_chunks, self.tier.new_pack, self.pool,
+        self.pipeline = Pipeline(self._commit, self._dedup, self.tier.new_pack, self.pool,
                                  workers=workers, zstd_level=zstd_level, on_error=self._record_error,
                                  guard=self.tier.writing)
         self._readers = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="datastates-read")
@@ -248,6 +250,7 @@ class Store:
             raise StoreClosedError(f"store {self.path} is closed; open it again with Store.open")
 
     def _record_error(self, job: SaveJob, exc: BaseException) -> None:
+        self._unpin(job)
         with self._lock:
             self._errors.append(exc)
 
@@ -331,11 +334,11 @@ class Store:
             "explore": None if explore is None else plain_json(explore, "explore"),
         }
         tree, entries = flatten(state, allow_pickle=allow_pickle)
-        if self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged:
-            self._reuse_unchanged(entries)
         handle = SaveHandle()
         job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
                       ticket=self._capture_order.ticket())
+        if self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged:
+            self._reuse_unchanged(job)
         if _overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
         stream = self._stream_for(entries)
@@ -350,16 +353,16 @@ class Store:
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
 
-    def _reuse_unchanged(self, entries: list[Any]) -> None:
+    def _reuse_unchanged(self, job: SaveJob) -> None:
         """Point untouched tensors at the chunks and stats this store saved for them last time."""
         candidates = []
-        for e in entries:
+        for e in job.entries:
             last = self._last_saved.get(e.key) if e.kind == "tensor" else None
             if last is not None and last[0] == e.sig and last[3] == self.chunk_size:
                 candidates.append((e, last))
         wanted = [c for _, last in candidates for c in last[1]]
-        if not candidates or not all(self.catalog.has_chunks(wanted)):
-            return  # something was pruned and collected since: copy everything
+        if not candidates or not all(self._dedup(job, wanted)):
+            return  # something was pruned, collected or evicted since: copy everything
         for e, last in candidates:
             e.chunks, e.stats, e.source = list(last[1]), dict(last[2]), None
 
@@ -421,7 +424,8 @@ class Store:
             to_flush = self._wants_flush(branch)
             if to_flush:
                 extra["flush"] = "pending"
-            self.catalog.commit(CommitBatch(vid, data, parents, list(job.new_chunks.items()), packs, extra))
+            self.catalog.commit(CommitBatch(vid, data, parents, list(job.new_chunks.items()), packs, extra,
+                                            overwrite_chunks=self.cold is not None))
             job.committed = True
             if branch:
                 refs.set_if_equals("branch", branch, head, vid, f"save: {req['message']}".strip(), locked=True)
@@ -433,6 +437,7 @@ class Store:
         if to_flush and self.flusher is not None:
             self.flusher.enqueue(vid)
         job.handle._flushed = lambda timeout: self._wait_flushed(vid, timeout)
+        self._unpin(job)  # committed and not on cold yet: _evict keeps its packs from here on
         try:
             self._evict()
         except OSError as exc:  # eviction is housekeeping; the save itself is durable
@@ -491,10 +496,14 @@ class Store:
         from .lineage import is_ancestor
         from .packs import list_packs, read_index
 
-        counts = {"packs": 0, "versions": 0, "refs": 0}
-        if self.cold is None:
-            return counts
+        counts = {"packs": 0, "versions": 0, "refs": 0, "pruned": 0, "packs_gone": 0}
+        if self.cold is None or not (self.cold.root / "FORMAT").is_file():
+            return counts  # unreachable: an empty mount point says nothing about what cold holds
         known = set(self.catalog.packs())
+        for pack in known:  # collected on cold by some host's gc, and no copy on hot: forget its chunks
+            if not self.hot.pack_path(pack).exists() and not self.cold.pack_path(pack).exists():
+                self.catalog.drop_pack(pack)
+                counts["packs_gone"] += 1
         for path in list_packs(self.cold.root / "packs"):
             pack = path.name.removesuffix(".pack")
             if pack not in known:
@@ -512,6 +521,11 @@ class Store:
                     self.catalog.commit(CommitBatch(vid, data, list(json.loads(data).get("parents", [])),
                                                     extra=extra))
                     counts["versions"] += 1
+        pruned = self.catalog.pruned_ids()
+        for vid in self.cold.iter_ids("versions", "pruned"):  # pruned by another host
+            if vid not in pruned and self.catalog.record(vid) is not None:
+                self.catalog.update_extra(vid, {"pruned": True}, only_if_missing="pruned")
+                counts["pruned"] += 1
         for kind in ("branch", "tag"):
             for name, cid in self.cold.refs.names(kind).items():  # type: ignore[arg-type]
                 mine = self.hot.refs.get(kind, name)  # type: ignore[arg-type]
@@ -541,8 +555,60 @@ class Store:
                             "conflicts": list(self.flusher.conflicts)})
         return out
 
+    def _dedup(self, job: SaveJob | None, cids: list[bytes]) -> list[bool]:
+        """For each chunk id: may this save name it without writing its bytes?
+
+        Without tiers: whenever the catalog knows it. With tiers: only when a copy
+        is in a hot pack, which is then pinned for `job` (eviction keeps it until
+        the save commits or fails). A chunk known only on cold is written again,
+        so a version never needs a cold pack that a cold-tier gc may delete
+        before the flusher has put this version's own copy there.
+        """
+        if self.cold is None:
+            return self.catalog.has_chunks(cids)
+        locs = self.catalog.chunks(cids)
+        with self._evict_lock:
+            on_hot: dict[str, bool] = {}
+            for loc in locs:
+                if loc is not None and loc.pack not in on_hot:
+                    on_hot[loc.pack] = self.hot.pack_path(loc.pack).exists()
+            if job is not None:
+                for pack in {p for p, ok in on_hot.items() if ok} - job.pins:
+                    job.pins.add(pack)
+                    self._pins[pack] = self._pins.get(pack, 0) + 1
+        return [loc is not None and on_hot[loc.pack] for loc in locs]
+
+    def _unpin(self, job: SaveJob) -> None:
+        with self._evict_lock:
+            for pack in job.pins:
+                if self._pins.get(pack, 0) <= 1:
+                    self._pins.pop(pack, None)
+                else:
+                    self._pins[pack] -= 1
+            job.pins.clear()
+
+    def _packs_only_hot_may_hold(self) -> set[str]:
+        """Packs that versions not yet on cold (nor pruned) name: their only durable copy may be hot's."""
+        out: set[str] = set()
+        for vid, data in self.catalog.records():
+            extra = self.catalog.extra(vid)
+            if extra.get("cold") or extra.get("pruned"):
+                continue
+            for mid in json.loads(data).get("manifests", {}).values():
+                try:
+                    m = self.manifest(mid)
+                except DataStatesError:
+                    continue  # unreadable here: fsck reports it; its packs are not evicted by name anyway
+                out |= {loc.pack for r in m.rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
+        return out
+
     def _evict(self) -> None:
-        """Keep hot under its capacity: drop least recently used packs that are durable on cold."""
+        """Keep hot under its capacity: drop least recently used packs that are durable on cold.
+
+        Never dropped: a pack cold does not hold, one a version not yet on cold
+        names (flushed later, or never, by policy: a cold gc may delete cold's
+        copy meanwhile), one a save in flight reuses chunks from.
+        """
         cap = self.tiering.hot_capacity
         if self.cold is None or cap is None:
             return
@@ -551,11 +617,14 @@ class Store:
             used = sum(packs.values())
             if used <= cap:
                 return
+            keep = self._packs_only_hot_may_hold() | set(self._pins)
             # The id starts with its creation time, so unused packs fall back to oldest first.
             order = sorted(packs, key=lambda p: (self._pack_used.get(p, 0.0), p))
             for pack in order:
                 if used <= cap:
                     break
+                if pack in keep:
+                    continue
                 try:
                     on_cold = self.cold.pack_path(pack).stat().st_size == packs[pack]
                 except OSError:
@@ -1076,12 +1145,14 @@ class Store:
         self.wait()
         return prune(self, retention, dry_run=dry_run)
 
-    def gc(self, *, dry_run: bool = False, repack_threshold: float = 0.5) -> Any:
-        """Delete packs no live version needs and repack sparse ones; returns bytes freed per tier."""
-        from .gc import gc
+    def gc(self, *, dry_run: bool = False, repack_threshold: float = 0.5, cold_grace_s: float | None = None) -> Any:
+        """Delete packs no live version needs and repack sparse ones, on every tier; returns a
+        GcReport with bytes freed per tier. See `datastates.gc.gc` and `datastates.gc.collect_cold`."""
+        from .gc import COLD_GRACE_S, gc
 
         self.wait()
-        return gc(self, dry_run=dry_run, repack_threshold=repack_threshold)
+        return gc(self, dry_run=dry_run, repack_threshold=repack_threshold,
+                  cold_grace_s=COLD_GRACE_S if cold_grace_s is None else cold_grace_s)
 
     def fsck(self, *, repair: bool = False, rebuild: bool = False) -> Any:
         """Verify every chunk, manifest, record and ref; see `datastates.fsck.fsck`."""

@@ -25,7 +25,7 @@ from pathlib import Path
 from .errors import NotFoundError, StoreFormatError
 from .files import replace, write_new
 from .packs import PackReader, PackWriter
-from .refs import RefStore
+from .refs import RefStore, lockfile
 from .versions import FORMAT
 
 
@@ -147,6 +147,12 @@ class Tier:
     def exclusive(self) -> AbstractContextManager[None]:
         """Held by fsck --repair and gc: waits for saves in flight, keeps new ones out."""
         return self._flock(fcntl.LOCK_EX)
+
+    def sweep_lock(self) -> AbstractContextManager[None]:
+        """The shared tier's lock between deleting and publishing: a cold-tier gc holds it while it
+        decides and deletes; a flusher holds it while it checks that a version's packs are there and
+        writes its manifests and record. So no version appears naming a pack being deleted."""
+        return lockfile(self.root / "locks" / "sweep.lockfile")
 
     def close(self) -> None:
         self.reader.close()

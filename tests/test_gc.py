@@ -264,27 +264,46 @@ def tiered_store(root: Path, flush: Flush) -> tuple[Store, list[str], list[dict[
     return s, ids, states
 
 
-def test_gc_on_a_tiered_store_frees_hot_and_leaves_the_shared_cold_tier_whole(tmp_path: Path) -> None:
+def test_gc_on_a_tiered_store_frees_hot_then_cold_past_the_grace_age(tmp_path: Path) -> None:
     s, ids, states = tiered_store(tmp_path, Flush())
     try:
         assert all(s.where(v) == ["hot", "cold"] for v in ids)
         p = prune(s, Retention(KeepLatest(2)))
         assert p.prune == set(ids[:4])
-        cold_before = snapshot(tmp_path / "cold" / "packs")
+        cold_packs = snapshot(tmp_path / "cold" / "packs")
         hot = (tmp_path / "hot" / "packs", tmp_path / "hot" / "manifests")
-        hot_before = tree_bytes(*hot)
-        rep = gc(s, repack_threshold=1.0)
-        assert snapshot(tmp_path / "cold" / "packs") == cold_before
-        assert rep.bytes_freed["cold"] == 0
+        hot_before, cold_before = tree_bytes(*hot), tree_bytes(tmp_path / "cold" / "manifests")
+        rep = gc(s, repack_threshold=1.0)  # default grace: cold packs this young stay
+        assert snapshot(tmp_path / "cold" / "packs") == cold_packs
         assert hot_before - tree_bytes(*hot) == rep.bytes_freed["hot"] > 0
-        assert rep.packs_repacked == ()  # cold is shared with catalogs this host cannot update
+        assert rep.bytes_freed["cold"] == cold_before - tree_bytes(tmp_path / "cold" / "manifests") > 0
+        assert rep.packs_repacked == ()  # never on cold: other hosts' catalogs point into its packs
         assert rep.chunks_dropped == 0  # the cold copies keep the catalog entries valid
         assert len(rep.packs_deleted) == 3  # the first pack also holds the shared tensor: live, kept
+        assert rep.manifests_deleted == 2 * 4  # the pruned versions' manifests, on hot and on cold
+
+        dry = gc(s, dry_run=True, cold_grace_s=0)
+        assert snapshot(tmp_path / "cold" / "packs") == cold_packs
+        cold_before = tree_bytes(tmp_path / "cold" / "packs")
+        rep = gc(s, cold_grace_s=0)
+        assert rep.packs_deleted == dry.packs_deleted and len(rep.packs_deleted) == 3
+        assert rep.bytes_freed == dry.bytes_freed == {"hot": 0, "cold": cold_before - tree_bytes(tmp_path / "cold" /
+                                                                                                   "packs")}
+        assert rep.bytes_freed["cold"] > 0
+        assert len(list(list_packs(tmp_path / "cold" / "packs"))) == len(cold_packs) - 3
+        assert rep.chunks_dropped == 3 * 8  # no copy left on any tier: the catalog forgets the dead chunks
         for vid, st in zip(ids[4:], states[4:]):
             assert same_bytes(s.load(vid), st)
         assert s.fsck().ok
     finally:
         s.close()
+    # A host with an empty hot tier loads what was kept from cold alone.
+    with Store.open(tmp_path / "cold", hot=tmp_path / "hot2", chunk_size=CHUNK, pool_bytes=32 << 20) as s2:
+        for vid, st in zip(ids[4:], states[4:]):
+            assert same_bytes(s2.load(vid), st)
+        with pytest.raises(PrunedError):
+            s2.load(ids[0])
+        assert s2.fsck().ok
 
 
 def test_gc_on_a_tiered_store_forgets_packs_that_never_reached_cold(tmp_path: Path) -> None:

@@ -1,0 +1,138 @@
+"""gc on the shared cold tier: what no version on cold needs goes, and nothing a host still needs does.
+
+Hosts are separate hot directories over one cold directory, as in test_tiers.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+import datastates as ds
+from datastates.gc import add_parsers, run
+from datastates.retention import KeepLatest, Retention, prune
+
+CHUNK = 64 << 10
+
+
+def host(root: Path, name: str, **kw: object) -> ds.Store:
+    return ds.Store.open(root / "cold", hot=root / name, chunk_size=CHUNK, pool_bytes=16 << 20, **kw)  # type: ignore[arg-type]
+
+
+def t(seed: int, n: int = 64 << 10) -> torch.Tensor:
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.view(torch.uint8).equal(b.view(torch.uint8))
+
+
+def cold_packs(root: Path) -> set[str]:
+    return {p.name for p in (root / "cold" / "packs").glob("*.pack")}
+
+
+def test_a_prune_and_gc_on_one_host_reach_the_other_after_refresh(tmp_path: Path) -> None:
+    a = host(tmp_path, "hot-a")
+    vs = [a.save({"w": t(i)}, branch="a", step=i) for i in range(4)]
+    assert a.flush(timeout=60)
+    b = host(tmp_path, "hot-b")
+    assert {v.id for v in b.log("a")} == {v.id for v in vs}
+    assert same(b.load(vs[0])["w"], t(0))  # read from cold
+    assert prune(a, Retention(KeepLatest(1))).prune == {v.id for v in vs[:3]}
+    rep = a.gc(cold_grace_s=0)
+    assert len(rep.packs_deleted) == 2 * 3  # hot's and cold's copy of each pruned version's pack
+    assert len(cold_packs(tmp_path)) == 1
+    counts = b.refresh()
+    # vs[0]'s pack was promoted to b's hot by the load above: b keeps that copy (its own gc frees it)
+    assert counts["pruned"] == 3 and counts["packs_gone"] == 2
+    with pytest.raises(ds.PrunedError):
+        b.load(vs[0])
+    assert same(b.load("a")["w"], t(3))
+    assert b.fsck().ok and a.fsck().ok
+    a.close()
+    b.close()
+
+
+def test_a_version_not_yet_on_cold_survives_a_cold_gc_of_the_pack_it_shares(tmp_path: Path) -> None:
+    """Host b reuses chunks that a's (later pruned) version put on cold, flushes only later:
+    b wrote its own copy to hot, and its flush puts a copy back on cold."""
+    a = host(tmp_path, "hot-a")
+    shared = t(7)
+    v0 = a.save({"w": shared}, branch="a")
+    assert a.flush(timeout=60)
+    b = host(tmp_path, "hot-b", flush=ds.Flush(tagged_only=True))  # nothing reaches cold until asked
+    vb = b.save({"w": shared, "x": t(8)}, branch="b")
+    assert vb.bytes_new == 2 * shared.nbytes  # "w" was only on cold: written again on b's hot
+    a.save({"w": t(9)}, branch="a")
+    assert a.flush(timeout=60)  # until then cold's branch "a" still names v0, which keeps it
+    assert prune(a, Retention(KeepLatest(1))).prune == {v0.id}
+    a.gc(cold_grace_s=0)
+    assert a.where(v0) == []
+    assert same(b.load(vb)["w"], shared)
+    assert b.flush(vb, timeout=60) and b.where(vb) == ["hot", "cold"]
+    b.close()
+    with host(tmp_path, "hot-c") as c:  # a fresh host: everything comes from cold
+        assert same(c.load(vb.id)["w"], shared) and same(c.load(vb.id)["x"], t(8))
+        assert c.fsck().ok
+    a.close()
+
+
+def test_a_flush_after_cold_gc_copies_a_collected_pack_again(tmp_path: Path) -> None:
+    """One host: v2 reuses chunks of flushed v1 from hot; v1 is pruned and its cold pack collected
+    while v2 waits to be flushed. Eviction kept the hot pack; the flush puts it back on cold."""
+    s = host(tmp_path, "hot", flush=ds.Flush(tagged_only=True), hot_capacity=1)
+    shared = t(1)
+    v1 = s.save({"w": shared}, branch="one")
+    assert s.flush(v1, timeout=60)
+    v2 = s.save({"w": shared}, branch="two", message="same bytes")
+    assert v2.bytes_new == 0  # reused from hot
+    v3 = s.save({"w": t(2)}, branch="one")
+    assert s.flush(v3, timeout=60)
+    s._evict()  # over capacity: v1's pack is on cold, but v2 is not: that pack stays; v3's goes
+    assert s.where(v2) == ["hot"] and s.where(v3) == ["cold"]
+    assert prune(s, Retention(KeepLatest(1))).prune == {v1.id}
+    rep = s.gc(cold_grace_s=0)
+    assert rep.bytes_freed["cold"] > 0 and len(cold_packs(tmp_path)) == 1  # v3's
+    assert s.flush(v2, timeout=60) and s.where(v2) == ["hot", "cold"]
+    assert len(cold_packs(tmp_path)) == 2
+    s.close()
+    with host(tmp_path, "hot-fresh") as c:
+        assert same(c.load(v2.id)["w"], shared)
+
+
+def test_gc_leaves_cold_alone_when_it_is_unreachable(tmp_path: Path) -> None:
+    s = host(tmp_path, "hot")
+    v = s.save({"w": t(1)})
+    s.save({"w": t(2)})
+    assert s.flush(timeout=60)
+    prune(s, Retention(KeepLatest(1)))
+    (tmp_path / "cold").rename(tmp_path / "cold-away")
+    rep = s.gc(cold_grace_s=0)
+    assert any("unreachable" in x for x in rep.skipped) and "cold" not in rep.bytes_freed or \
+        rep.bytes_freed.get("cold") == 0
+    (tmp_path / "cold-away").rename(tmp_path / "cold")
+    assert len(cold_packs(tmp_path)) == 2
+    rep = s.gc(cold_grace_s=0)
+    assert len(cold_packs(tmp_path)) == 1 and rep.bytes_freed["cold"] > 0
+    with pytest.raises(ds.PrunedError):
+        s.load(v)
+    s.close()
+
+
+def test_cli_gc_prints_what_cold_freed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    s = host(tmp_path, "hot")
+    for i in range(3):
+        s.save({"w": t(i)}, step=i)
+    assert s.flush(timeout=60)
+    prune(s, Retention(KeepLatest(1)))
+    p = argparse.ArgumentParser(prog="datastates")
+    add_parsers(p.add_subparsers(dest="command", required=True))
+    assert run(s, p.parse_args(["gc", "--cold-grace", "0"])) == 0
+    out = capsys.readouterr().out
+    assert "cold: " in out and "deleted 4 dead pack(s)" in out
+    with pytest.raises(SystemExit):
+        p.parse_args(["gc", "--cold-grace", "-1"])
+    s.close()
