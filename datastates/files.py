@@ -52,6 +52,23 @@ def _tmp_path(final: Path) -> Path:
     return final.with_name(f".{short}.{_HOST[:60]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
 
 
+HOST = _HOST
+"""This host's name as written into temp file names and lock files (dots replaced)."""
+
+
+def process_alive(host: str, pid: int) -> bool | None:
+    """Whether process `pid` of `host` runs; None when that cannot be told from here (another host)."""
+    if host != _HOST or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def tmp_is_stale(path: Path, max_age_s: float = 3600.0) -> bool:
     """True if a temp file's writer is dead (same host, pid gone) or it is older than `max_age_s`."""
     parts = path.name.split(".")
@@ -59,15 +76,9 @@ def tmp_is_stale(path: Path, max_age_s: float = 3600.0) -> bool:
         host, pid = parts[-4], int(parts[-3])
     except (IndexError, ValueError):
         host, pid = "", -1
-    if host == _HOST and pid > 0:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            pass
-        else:
-            return False  # its writer is alive
+    alive = process_alive(host, pid)
+    if alive is not None:
+        return not alive
     try:
         return time.time() - path.stat().st_mtime > max_age_s
     except FileNotFoundError:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .errors import ConflictError, InvalidNameError, NotFoundError
-from .files import append_line, fsync_dir, replace
+from .files import HOST, append_line, fsync_dir, process_alive, replace
 
 Kind = Literal["branch", "tag"]
 _DIRS = {"branch": "heads", "tag": "tags"}
@@ -63,9 +63,10 @@ STALE_LOCK_S = 30.0
 def lockfile(path: Path) -> Iterator[None]:
     """A lock that works across hosts on POSIX shared file systems: O_CREAT|O_EXCL is atomic
     there (flock is not everywhere). The holder touches the file every STALE_LOCK_S / 4
-    seconds, so a lock untouched for STALE_LOCK_S is from a dead holder and is broken."""
+    seconds, so a lock untouched for STALE_LOCK_S is from a dead holder and is broken; so is
+    one whose holder ran on this host and is gone (its host and pid are in the file)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    me = f"{socket.gethostname()} {os.getpid()} {time.time()}".encode()
+    me = f"{HOST} {os.getpid()} {time.time()}".encode()
     delay = 0.001
     while True:
         try:
@@ -73,7 +74,7 @@ def lockfile(path: Path) -> Iterator[None]:
             break
         except FileExistsError:
             try:
-                if time.time() - path.stat().st_mtime > STALE_LOCK_S:
+                if time.time() - path.stat().st_mtime > STALE_LOCK_S or _holder_gone(path):
                     # Rename first so two breakers cannot both delete a fresh lock.
                     stale = path.with_name(f"{path.name}.{os.getpid()}.stale")
                     os.rename(path, stale)
@@ -101,6 +102,15 @@ def lockfile(path: Path) -> Iterator[None]:
         if beat.is_alive():
             beat.join()
         path.unlink(missing_ok=True)
+
+
+def _holder_gone(path: Path) -> bool:
+    """True if the lock file names a process of this host that no longer runs."""
+    try:
+        host, pid, _ = path.read_text().split()
+        return process_alive(host, int(pid)) is False
+    except (OSError, ValueError):
+        return False  # being written, or gone: wait and look again
 
 
 def _encode(name: str) -> str:

@@ -136,3 +136,51 @@ def test_cli_gc_prints_what_cold_freed(tmp_path: Path, capsys: pytest.CaptureFix
     with pytest.raises(SystemExit):
         p.parse_args(["gc", "--cold-grace", "-1"])
     s.close()
+
+
+# Dies (exit 137, as if killed) just before its (k+1)-th deletion of a cold pack: a deterministic kill -9.
+_DIE_IN_COLD_GC = """
+import os, pathlib, sys
+cold_packs, k = pathlib.Path(sys.argv[1]) / "cold" / "packs", int(sys.argv[2])
+real_unlink, seen = pathlib.Path.unlink, [0]
+def unlink(self, missing_ok=False):
+    if self.parent == cold_packs and self.name.endswith(".pack"):
+        if seen[0] == k:
+            os._exit(137)
+        seen[0] += 1
+    real_unlink(self, missing_ok=missing_ok)
+pathlib.Path.unlink = unlink
+import datastates as ds
+s = ds.Store.open(cold_packs.parent, hot=cold_packs.parent.parent / "hot")
+s.gc(cold_grace_s=0)
+print("SURVIVED")
+"""
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_killed_during_cold_gc_leaves_every_live_version_loadable(tmp_path: Path, k: int) -> None:
+    import subprocess
+    import sys
+
+    with host(tmp_path, "hot") as s:
+        vs = [s.save({"w": t(i)}, step=i) for i in range(8)]
+        assert s.flush(timeout=60)
+        prune(s, Retention(KeepLatest(2)))
+    assert len(cold_packs(tmp_path)) == 8
+    proc = subprocess.run([sys.executable, "-c", _DIE_IN_COLD_GC, str(tmp_path), str(k)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 137 and "SURVIVED" not in proc.stdout, proc.stderr
+    assert len(cold_packs(tmp_path)) == 8 - k
+    with host(tmp_path, "hot") as s:
+        assert s.fsck().ok
+        rep = s.gc(cold_grace_s=0)  # the lock of the dead gc does not block: its holder is gone
+        assert len(rep.packs_deleted) == 6 - k and len(cold_packs(tmp_path)) == 2
+        assert s.fsck().ok
+    with host(tmp_path, "hot-fresh") as c:
+        for i, v in enumerate(vs):
+            if i < 6:
+                with pytest.raises(ds.PrunedError):
+                    c.load(v.id)
+            else:
+                assert same(c.load(v.id)["w"], t(i))
+        assert c.fsck().ok
