@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .config import human_bytes
 from .errors import DataStatesError
 from .store import Store
 
@@ -25,14 +26,6 @@ def _command(name: str) -> Callable[[Handler], Handler]:
         _COMMANDS[name] = fn
         return fn
     return deco
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
 
 
 def _when(t: float) -> str:
@@ -221,10 +214,10 @@ def _flush(store: Store, args: argparse.Namespace) -> int:
     if store.flusher is None:
         print("this store has one tier; nothing to flush")
         return 0
-    from tqdm import tqdm
+    from .progress import bar as progress_bar
 
     total = store.flusher.backlog
-    with tqdm(total=total, unit="version", disable=not sys.stderr.isatty()) as bar:
+    with progress_bar(total, "flush", unit="version") as bar:
         done = False
         while not done:
             done = store.flush(timeout=0.5 if args.timeout is None else min(0.5, args.timeout))
@@ -241,6 +234,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=os.environ.get("DATASTATES_STORE"),
                    help="store directory (default: $DATASTATES_STORE)")
     sub = p.add_subparsers(dest="command", required=True)
+    add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        # `datastates log --store PATH` works as well as `datastates --store PATH log`.
+        s = add(name, **kw)
+        if name != "bench":  # bench's --store is its scratch directory, never a user's store
+            s.add_argument("--store", default=argparse.SUPPRESS, help="store directory (default: $DATASTATES_STORE)")
+        return s
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
     sub.add_parser("init", help="create a store")
     s = sub.add_parser("log", help="versions reachable from a ref, newest first")
     s.add_argument("ref", nargs="?", default="main")

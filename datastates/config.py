@@ -20,6 +20,17 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 
 
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
+        n /= 1024
+    return f"{sign}{n} B"
+
+
 def parse_size(value: str | int | None) -> int | None:
     """'200GiB', '1.5G', '512MiB' or an int -> bytes; ValueError names the bad value."""
     if value is None or isinstance(value, int):

@@ -22,6 +22,7 @@ from .errors import DataStatesError, IntegrityError
 from .files import copy_file, tmp_is_stale
 from .manifest import Manifest
 from .packs import list_packs, read_index
+from .progress import progress
 
 if TYPE_CHECKING:
     from .store import Store
@@ -58,7 +59,8 @@ def rebuild_catalog(store: Store) -> int:
     cat = store.catalog
     cat.clear()
     for tier in store.tiers:
-        for path in list_packs(tier.root / "packs"):
+        for path in progress(list(list_packs(tier.root / "packs")), f"rebuild: indexing {tier.name} packs",
+                             unit="pack"):
             try:
                 idx = read_index(path)
             except (IntegrityError, OSError):
@@ -69,7 +71,8 @@ def rebuild_catalog(store: Store) -> int:
     flush_rest = store.cold is not None and not store.tiering.flush.tagged_only
     n = 0
     for tier in store.tiers:
-        for vid in tier.iter_ids("versions", "json"):
+        for vid in progress(list(tier.iter_ids("versions", "json")), f"rebuild: indexing {tier.name} versions",
+                            unit="version"):
             if cat.record(vid) is not None:
                 continue
             data = tier.read_record(vid)
@@ -158,7 +161,7 @@ def _check_tier_packs(store: Store, tier: Tier, rep: FsckReport, live: set[str],
     bad: set[str] = set()
     reader = tier.reader
     paths = [tier.pack_path(only)] if only else list(list_packs(tier.root / "packs"))
-    for path in paths:
+    for path in progress(paths, f"fsck: verifying {tier.name} packs", unit="pack"):
         pack = path.name.removesuffix(".pack")
         rep.checked["packs"] = rep.checked.get("packs", 0) + 1
         try:

@@ -25,20 +25,21 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from tqdm import tqdm
-
 from .chunks import CODEC_ZSTD, ChunkLocation, chunk_id
+from .config import human_bytes
 from .errors import DataStatesError, IntegrityError
 from .files import fsync_dir
 from .manifest import Manifest
 
 # The pack format's fixed sizes, so a dry run predicts a repacked pack's size exactly.
 from .packs import _ENTRY, _FOOTER, HEADER, list_packs, read_index
+from .progress import bar as progress_bar
+from .progress import progress
 
 if TYPE_CHECKING:
     from .retention import Retention
@@ -90,11 +91,6 @@ class GcReport:
                 "bytes_freed": dict(self.bytes_freed), "skipped": list(self.skipped)}
 
 
-def _progress(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it") -> Iterator[T]:
-    # Bars only for a person watching: logs and pipes stay clean.
-    return iter(tqdm(items, desc=desc, total=total, unit=unit, leave=False, disable=not sys.stderr.isatty()))
-
-
 def _pack_size(lengths: Iterable[int]) -> int:
     """Bytes of a sealed pack holding chunks of these stored lengths (the writer's bounce path: no padding)."""
     n, body = 0, 0
@@ -117,7 +113,7 @@ def _live_chunks(store: Store) -> tuple[set[bytes], set[str], set[str]]:
         mids = json.loads(data).get("manifests", {}).values()
         (pruned_m if vid in pruned else live_m).update(mids)
     live: set[bytes] = set()
-    for mid in _progress(sorted(live_m), "gc: reading manifests", unit="manifest"):
+    for mid in progress(sorted(live_m), "gc: reading manifests", unit="manifest"):
         try:
             col = store.manifest(mid).table.column("chunks").combine_chunks()
         except DataStatesError as exc:
@@ -193,7 +189,7 @@ def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5,
         dead: list[tuple[str, int, bool]] = []  # (pack, bytes, whether the catalog forgets it)
         sparse: list[_Sparse] = []
         skipped: list[str] = []
-        for pack in _progress(sorted(known), "gc: sizing packs", unit="pack"):
+        for pack in progress(sorted(known), "gc: sizing packs", unit="pack"):
             path = tier.pack_path(pack)
             try:
                 size = path.stat().st_size
@@ -235,7 +231,7 @@ def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5,
             return _with_cold(store, report, cold_ok, cold_grace_s)
 
         dropped = 0
-        for pack, size, forget in _progress(dead, "gc: deleting dead packs", unit="pack"):
+        for pack, size, forget in progress(dead, "gc: deleting dead packs", unit="pack"):
             if forget:
                 dropped += cat.drop_pack(pack)  # the catalog forgets first: no save may dedup against it meanwhile
             tier.reader.forget(pack)
@@ -313,7 +309,7 @@ def collect_cold(store: Store, dry_run: bool = False, grace_s: float = COLD_GRAC
             if vid not in pruned:
                 live_m.update(mids)
         live: set[bytes] = set()
-        for mid in _progress(sorted(live_m), "gc: reading cold manifests", unit="manifest"):
+        for mid in progress(sorted(live_m), "gc: reading cold manifests", unit="manifest"):
             try:
                 col = Manifest(mid, cold.read_manifest(mid), verify=True).table.column("chunks").combine_chunks()
             except (DataStatesError, OSError) as exc:
@@ -322,7 +318,7 @@ def collect_cold(store: Store, dry_run: bool = False, grace_s: float = COLD_GRAC
             live.update(col.flatten().to_pylist())
         now = time.time()
         dead: list[tuple[str, int]] = []
-        for path in _progress(list(list_packs(cold.root / "packs")), "gc: judging cold packs", unit="pack"):
+        for path in progress(list(list_packs(cold.root / "packs")), "gc: judging cold packs", unit="pack"):
             pack = path.name.removesuffix(".pack")
             try:
                 st = path.stat()
@@ -338,7 +334,7 @@ def collect_cold(store: Store, dry_run: bool = False, grace_s: float = COLD_GRAC
         freed = sum(n for _, n in dead) + sum(dead_m.values())
         dropped = 0
         if not dry_run:
-            for pack, _ in _progress(dead, "gc: deleting cold packs", unit="pack"):
+            for pack, _ in progress(dead, "gc: deleting cold packs", unit="pack"):
                 if not store.hot.pack_path(pack).exists():
                     dropped += cat.drop_pack(pack)  # no copy left anywhere this host reads from
                 cold.reader.forget(pack)
@@ -397,8 +393,7 @@ def _repack(store: Store, sparse: list[_Sparse], groups: list[list[tuple[bytes, 
     bad: set[str] = set()
     written, n_written = 0, 0
     total = sum(loc.length for g in groups for _, loc in g)
-    bar = tqdm(total=total, desc="gc: repacking", unit="B", unit_scale=True, leave=False,
-               disable=not sys.stderr.isatty())
+    bar = progress_bar(total, "gc: repacking", unit="B", unit_scale=True)
     try:
         for group in groups:
             w = tier.new_pack()
@@ -442,17 +437,6 @@ def _intact(cid: bytes, loc: ChunkLocation, data: bytes) -> bool:
 # the command line ----------------------------------------------------------------------------------------------
 COMMANDS = ("gc", "prune")
 """The subcommands `add_parsers` adds; `run` handles both."""
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    sign = "-" if n < 0 else ""
-    n = abs(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{sign}{n:.0f} {unit}" if unit == "B" else f"{sign}{n:.1f} {unit}"
-        n /= 1024
-    return f"{sign}{n} B"
 
 
 def _count(text: str) -> int:

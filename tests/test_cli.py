@@ -1,0 +1,184 @@
+"""The `datastates` command line: each command's output, exit status and errors, on a real store.
+
+Most cases call `datastates.cli.main` in-process (one interpreter, fast); the first runs the installed
+`datastates` script in a subprocess with DATASTATES_STORE, as a user's shell would.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import datastates as ds
+from datastates.cli import main
+
+SCRIPT = shutil.which("datastates") or str(Path(sys.executable).with_name("datastates"))
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.fixture
+def made(tmp_path: Path) -> tuple[Path, list[ds.Version]]:
+    """A store with 3 versions of a small model on main (the bias never changes) and a branch."""
+    path = tmp_path / "store"
+    torch.manual_seed(0)
+    model = nn.Linear(64, 32)
+    with ds.Store.open(path) as s:
+        vs = []
+        for step in range(3):
+            with torch.no_grad():
+                model.weight.add_(0.1)
+            vs.append(s.save({"model": model, "step": step}, step=step, hparams={"lr": 0.1 * (step + 1)},
+                             metrics={"loss": 1.0 / (step + 1)}, message=f"step {step}"))
+        s.branch("exp", at=vs[0])
+    return path, vs
+
+
+def test_the_installed_script_with_the_store_from_the_environment(tmp_path: Path) -> None:
+    env = dict(os.environ, DATASTATES_STORE=str(tmp_path / "s"))
+    p = subprocess.run([SCRIPT, "init"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and "store ready" in p.stdout
+    assert (tmp_path / "s" / "FORMAT").is_file()
+    p = subprocess.run([SCRIPT, "log"], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "NotFoundError" in p.stderr and "main" in p.stderr  # no version yet
+
+
+def test_no_store_given(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("DATASTATES_STORE", raising=False)
+    rc, _, err = run(capsys, "log")
+    assert rc == 2 and "--store PATH" in err
+
+
+def test_log_show_ls(made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str]) -> None:
+    path, vs = made
+    rc, out, _ = run(capsys, "log", "--store", str(path))
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 3
+    assert lines[0].startswith(vs[2].id[:12]) and "(main)" in lines[0] and "step 2" in lines[0]
+    assert lines[2].startswith(vs[0].id[:12]) and "exp" in lines[2]
+    rc, out, _ = run(capsys, "--store", str(path), "log", "-n", "1", "--json")
+    assert rc == 0 and [r["id"] for r in json.loads(out)] == [vs[2].id]
+
+    rc, out, _ = run(capsys, "--store", str(path), "show", "main~1")
+    rec = json.loads(out)
+    assert rc == 0 and rec["id"] == vs[1].id and rec["step"] == 1 and rec["hparams"] == {"lr": 0.2}
+
+    rc, out, _ = run(capsys, "--store", str(path), "ls", vs[0].id[:8])
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[1:]}
+    assert rc == 0 and out.splitlines()[0].split()[:4] == ["key", "dtype", "shape", "bytes"]
+    assert rows["model.weight"][1] == "float32" and "[32," in rows["model.weight"][2]
+    assert "8.0 KiB" in " ".join(rows["model.weight"])  # 32 * 64 * 4 bytes
+    assert set(rows) == {"model.weight", "model.bias"}  # tensors only; `show` has the plain values
+
+
+def test_tag_and_branch(made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str]) -> None:
+    path, vs = made
+    rc, out, _ = run(capsys, "--store", str(path), "tag", "warm", "main~2", "-m", "first")
+    assert rc == 0 and out.strip() == f"tag warm -> {vs[0].id[:12]}"
+    rc, out, _ = run(capsys, "--store", str(path), "tag")
+    assert out.split() == ["warm", vs[0].id[:12]]
+    rc, _, err = run(capsys, "--store", str(path), "tag", "warm", "main")
+    assert rc == 1 and "ConflictError" in err and "warm" in err  # tags never move
+    rc, _, err = run(capsys, "--store", str(path), "branch", "bad..name")
+    assert rc == 1 and "InvalidNameError" in err
+    rc, out, _ = run(capsys, "--store", str(path), "branch", "fork", "warm")
+    assert rc == 0 and out.strip() == f"branch fork -> {vs[0].id[:12]}"
+    rc, out, _ = run(capsys, "--store", str(path), "branch")
+    assert dict(line.split("\t") for line in out.splitlines()) == {
+        "main": vs[2].id[:12], "exp": vs[0].id[:12], "fork": vs[0].id[:12]}
+    rc, out, _ = run(capsys, "--store", str(path), "branch", "-d", "fork")
+    with ds.Store.open(path) as s:
+        assert "fork" not in s.branches() and s.tags() == {"warm": vs[0].id}
+
+
+def test_du_counts_shared_chunks_once(made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str]) -> None:
+    path, vs = made
+    rc, out, _ = run(capsys, "--store", str(path), "du", "--json")
+    d = json.loads(out)
+    assert rc == 0 and d["versions"] == 3
+    assert d["bytes_total"] == sum(v.bytes_total for v in vs)
+    assert d["bytes_unique"] == sum(v.bytes_new for v in vs) < d["bytes_total"]  # the bias is stored once
+    rc, out, _ = run(capsys, "--store", str(path), "du")
+    assert "versions      3" in out and "dedup" in out
+
+
+def test_fsck_names_a_corrupt_chunk_and_exits_1(made: tuple[Path, list[ds.Version]],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = made
+    rc, out, _ = run(capsys, "--store", str(path), "fsck")
+    assert rc == 0 and out.startswith("ok: checked")
+    pack = sorted((path / "packs").glob("*.pack"))[0]
+    data = bytearray(pack.read_bytes())
+    data[100] ^= 0xFF
+    pack.write_bytes(bytes(data))
+    rc, out, _ = run(capsys, "--store", str(path), "fsck")
+    assert rc == 1 and "problem:" in out and pack.stem in out and "NOT OK" in out
+
+
+def test_diff_find_history(made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str]) -> None:
+    path, vs = made
+    rc, out, _ = run(capsys, "--store", str(path), "diff", "main~2", "main")
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 2 and lines[1].split()[:2] == ["model.weight", "changed"]  # bias is same
+    rc, out, _ = run(capsys, "--store", str(path), "diff", "main~2", "main", "--all", "--json")
+    assert {r["key"]: r["status"] for r in json.loads(out)} == {"model.weight": "changed", "model.bias": "same"}
+
+    rc, out, _ = run(capsys, "--store", str(path), "find", "hparams.lr > 0.15 and metrics.loss < 0.6")
+    assert rc == 0 and out.splitlines()[-1] == "2 version(s)"
+    rc, _, err = run(capsys, "--store", str(path), "find", "hparams.lr >")
+    assert rc == 1 and "QueryError" in err and "offset" in err
+
+    rc, out, _ = run(capsys, "--store", str(path), "history", "model.weight", "--json")
+    rows = json.loads(out)
+    assert rc == 0 and [r["version"] for r in rows] == [v.id for v in vs]
+
+
+def test_tiers_and_flush(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot") as s:
+        s.save({"w": torch.ones(1000)})
+    rc, out, _ = run(capsys, "--store", str(tmp_path / "cold"), "flush")
+    assert rc == 0 and "backlog 0" in out
+    rc, out, _ = run(capsys, "--store", str(tmp_path / "cold"), "tiers", "--json")
+    rows = json.loads(out)
+    assert rc == 0 and [r["tier"] for r in rows] == ["hot", "cold"] and rows[1]["backlog"] == 0
+    assert rows[0]["packs"] == rows[1]["packs"] == 1
+
+
+def test_progress_bars_go_to_a_terminal_only(made: tuple[Path, list[ds.Version]]) -> None:
+    path, _ = made
+    leader, follower = pty.openpty()
+    # A terminal 100 columns wide: with the 0x0 size a bare pty reports, tqdm draws nothing.
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    p = subprocess.Popen([SCRIPT, "--store", str(path), "fsck"], stdout=subprocess.PIPE, stderr=follower)
+    os.close(follower)
+    seen = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # EIO: the child closed its end
+            break
+        if not chunk:
+            break
+        seen += chunk
+    out, _ = p.communicate(timeout=120)
+    os.close(leader)
+    assert p.returncode == 0 and out.startswith(b"ok: checked")
+    assert b"fsck: verifying hot packs" in seen
+    p = subprocess.run([SCRIPT, "--store", str(path), "fsck"], capture_output=True, timeout=120)
+    assert p.returncode == 0 and p.stderr == b""  # not a terminal: no bar
