@@ -126,11 +126,7 @@ class Flusher:
         if data is None:
             return  # dropped by fsck/gc meanwhile
         v = store.version(vid)
-        packs: set[str] = set()
-        if not v.pruned:
-            for mid in v.manifests.values():
-                m = store.manifest(mid)
-                packs |= {loc.pack for r in m.rows for loc in store.catalog.chunks(r["chunks"]) if loc is not None}
+        packs = store.packs_of(v)
         self._copy_missing(packs)  # the long part, outside the lock
         with cold.sweep_lock():
             # A cold-tier gc (any host) may have deleted a pack since, if no version on cold named it.

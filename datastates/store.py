@@ -471,14 +471,20 @@ class Store:
     def _mark_pending(self, vid: str) -> None:
         self.catalog.update_extra(vid, {"flush": "pending"}, only_if_missing="cold")
 
-    def where(self, ref: Any) -> list[str]:
-        """Names of the tiers that hold the version wholly (record, manifests, every pack)."""
-        v = self.version(ref)
+    def packs_of(self, v: Version) -> set[str]:
+        """The packs the catalog locates `v`'s chunks in (none for a pruned version).
+        Raises NotFoundError/IntegrityError if a manifest of `v` cannot be read."""
         packs: set[str] = set()
         if not v.pruned:
             for mid in v.manifests.values():
                 m = self.manifest(mid)
                 packs |= {loc.pack for r in m.rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
+        return packs
+
+    def where(self, ref: Any) -> list[str]:
+        """Names of the tiers that hold the version wholly (record, manifests, every pack)."""
+        v = self.version(ref)
+        packs = self.packs_of(v)
         out = []
         for t in self.tiers:
             try:
@@ -594,12 +600,10 @@ class Store:
             extra = self.catalog.extra(vid)
             if extra.get("cold") or extra.get("pruned"):
                 continue
-            for mid in json.loads(data).get("manifests", {}).values():
-                try:
-                    m = self.manifest(mid)
-                except DataStatesError:
-                    continue  # unreadable here: fsck reports it; its packs are not evicted by name anyway
-                out |= {loc.pack for r in m.rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
+            try:
+                out |= self.packs_of(decode_record(vid, data))
+            except DataStatesError:
+                continue  # a manifest unreadable here: fsck reports it
         return out
 
     def _evict(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import shutil
@@ -16,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import states
 
 from datastates import NotFoundError, PrunedError, Store
 from datastates.config import Flush
@@ -54,12 +54,8 @@ def tree_bytes(*dirs: Path) -> int:
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_file() and not rel.startswith("locks/") and rel != "catalog/lock.mdb":
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
+    """Every file under `root` (lock files aside, the catalog's data file included) and a digest of its bytes."""
+    return states.snapshot(root, with_catalog=True)
 
 
 def same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shutil
 from collections.abc import Iterator
@@ -12,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import states
 
 from datastates import PrunedError, Store, Version
 from datastates.files import write_new
@@ -104,13 +104,8 @@ def ids_where(made: Made, pred: Any) -> set[str]:
 
 
 def snapshot(root: Path) -> dict[str, str]:
-    """Every file under the store (but lock files) and a digest of its bytes."""
-    out = {}
-    for p in sorted(root.rglob("*")):
-        rel = str(p.relative_to(root))
-        if p.is_file() and not rel.startswith("locks/") and rel != "catalog/lock.mdb":
-            out[rel] = hashlib.sha256(p.read_bytes()).hexdigest()
-    return out
+    """Every file under `root` (lock files aside, the catalog's data file included) and a digest of its bytes."""
+    return states.snapshot(root, with_catalog=True)
 
 
 def assert_bit_exact(got: Any, want: Any) -> None:

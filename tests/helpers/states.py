@@ -123,12 +123,14 @@ def assert_same(got: Any, want: Any, path: str = "<state>") -> None:
         assert got == want, f"{path}: {got!r} != {want!r}"
 
 
-def snapshot(path: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file under a store directory, except catalog/ and locks/."""
+def snapshot(path: Path, with_catalog: bool = False) -> dict[str, str]:
+    """Relative path -> sha256 of every file under a directory, except locks/ and catalog/
+    (with `with_catalog`, the catalog's data file counts too; its lock file never does)."""
     out = {}
     for p in sorted(path.rglob("*")):
         rel = p.relative_to(path)
-        if rel.parts[0] in ("catalog", "locks") or not p.is_file():
+        skip = rel.parts[0] == "locks" or (rel.parts[0] == "catalog" and (not with_catalog or p.name == "lock.mdb"))
+        if skip or not p.is_file():
             continue
         out[str(rel)] = hashlib.sha256(p.read_bytes()).hexdigest()
     return out
