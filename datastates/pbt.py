@@ -134,7 +134,7 @@ class Population:
         for vid in ids:
             v = self.store.version(vid)
             for p in v.parents:
-                    rows.append({"child": vid, "parent": p, "kind": "fork" if v.fork_of == p else "parent",
+                rows.append({"child": vid, "parent": p, "kind": "fork" if v.fork_of == p else "parent",
                              "member": v.branch, "step": v.step,
                              "explore": None if v.explore is None else str(v.explore)})
         schema = pa.schema([("child", pa.string()), ("parent", pa.string()), ("kind", pa.string()),

@@ -19,7 +19,8 @@ Grammar (keywords, bare field names and namespace prefixes are case-insensitive)
     value      := NUMBER | STRING | "true" | "false"
 
 Fields are the bare names in `BARE_FIELDS` or `hparams.<name>`, `metrics.<name>`,
-`annotations.<name>` (backquote a name with spaces: `` `hparams.weird name` ``).
+`annotations.<name>`, `explore.old.<name>` / `explore.new.<name>` (a PBT explore's
+hyperparameter change); backquote a name with spaces: `` `hparams.weird name` ``.
 Unknown namespaced names are not errors: they read as null, because different
 runs log different hyperparameters.
 
@@ -54,7 +55,7 @@ BARE_FIELDS: frozenset[str] = frozenset({
     "step", "epoch", "branch", "tag", "created", "id", "message", "world_size",
     "bytes_new", "bytes_total", "parents", "fork_of", "pruned",
 })
-NAMESPACES: tuple[str, ...] = ("hparams", "metrics", "annotations")
+NAMESPACES: tuple[str, ...] = ("hparams", "metrics", "annotations", "explore")
 LINEAGE_FUNCTIONS: tuple[str, ...] = ("ancestor_of", "descendant_of")
 _KEYWORDS = frozenset({
     "and", "or", "not", "in", "like", "is", "null", "true", "false", "order", "by", "asc", "desc", "limit",

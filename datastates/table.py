@@ -1,4 +1,4 @@
-"""The versions table: every version as one row, hparams/metrics/annotations flattened into columns.
+"""The versions table: every version as one row, hparams/metrics/annotations/explore flattened into columns.
 
 Built from the catalog and cached until the catalog's generation counter or
 the tags change, so repeated `find` calls cost only the vectorized filter.
@@ -62,6 +62,7 @@ def build(store: Store) -> pa.Table:
         flat: dict[str, Any] = {}
         _flatten("hparams", rec.get("hparams", {}), flat)
         _flatten("metrics", rec.get("metrics", {}), flat)
+        _flatten("explore", rec.get("explore") or {}, flat)  # PBT: explore.old.lr, explore.new.lr
         _flatten("annotations", {k: v for k, v in annotations.get(vid, {}).items() if not k.startswith("_")}, flat)
         for name, v in flat.items():
             col = dynamic.get(name)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -78,3 +81,31 @@ def test_protected_versions_cover_donors(tmp_path: Path) -> None:
         if v.fork_of:
             assert v.fork_of in keep
     store.close()
+
+
+def test_explore_and_fork_fields_are_queryable(tmp_path: Path) -> None:
+    store, pop = _run(tmp_path)
+    explored = store.find("explore.new.lr is not null")
+    assert len(explored) == 3 and all(v.explore is not None for v in explored)
+    small = store.find("explore.old.lr < 0.001")
+    assert {v.id for v in small} == {v.id for v in explored if v.explore["old"]["lr"] < 0.001}
+    assert len(store.find("fork_of is not null")) == 3
+    store.close()
+
+
+def test_the_docs_example_trains_a_population_in_seconds(tmp_path: Path) -> None:
+    example = Path(__file__).parent.parent / "docs" / "examples" / "pbt_toy.py"
+    p = subprocess.run([sys.executable, str(example), "--store", str(tmp_path / "s"), "--steps", "100"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = dict(line.split(": ", 1) for line in p.stdout.splitlines())
+    assert out["members"] == "8" and out["versions"] != "0"
+    assert int(out["exploits"]) == int(out["explores"]) == int(out["fork_edges"]) > 0
+    with ds.Store.open(tmp_path / "s") as store:
+        forks = store.find("fork_of is not null")
+        assert len(forks) == int(out["exploits"])
+        for v in forks:
+            assert v.bytes_new == 0 and store.version(v.fork_of).branch != v.branch
+        for v in store.find("explore.new.lr is not null"):
+            ratio = v.explore["new"]["lr"] / v.explore["old"]["lr"]
+            assert math.isclose(ratio, 0.8) or math.isclose(ratio, 1.25)
