@@ -88,6 +88,9 @@ class Store:
         self._evict_lock = threading.Lock()
         self._pins: dict[str, int] = {}
         """Hot packs that saves in flight reuse chunks from, with a count of such saves (under _evict_lock)."""
+        self._packs_seen: dict[str, frozenset[str]] = {}
+        """packs_of(version) of versions not on cold, as eviction last computed them. Safe to keep: a
+        location only moves off a pack that is not on hot (a rewrite), or by gc, which clears this."""
         self.flusher: Flusher | None = None
         self.reuse_unchanged = False
         self._last_saved: dict[str, tuple[tuple[object, ...], list[bytes], dict[str, Any], int]] = {}
@@ -599,11 +602,15 @@ class Store:
         for vid, data in self.catalog.records():
             extra = self.catalog.extra(vid)
             if extra.get("cold") or extra.get("pruned"):
+                self._packs_seen.pop(vid, None)
                 continue
-            try:
-                out |= self.packs_of(decode_record(vid, data))
-            except DataStatesError:
-                continue  # a manifest unreadable here: fsck reports it
+            packs = self._packs_seen.get(vid)
+            if packs is None:
+                try:
+                    packs = self._packs_seen[vid] = frozenset(self.packs_of(decode_record(vid, data)))
+                except DataStatesError:
+                    continue  # a manifest unreadable here: fsck reports it
+            out |= packs
         return out
 
     def _evict(self) -> None:
@@ -1155,6 +1162,8 @@ class Store:
         from .gc import COLD_GRACE_S, gc
 
         self.wait()
+        with self._evict_lock:
+            self._packs_seen.clear()
         return gc(self, dry_run=dry_run, repack_threshold=repack_threshold,
                   cold_grace_s=COLD_GRACE_S if cold_grace_s is None else cold_grace_s)
 
