@@ -19,7 +19,6 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from .engine import run_in_background
 from .errors import ConflictError, DataStatesError, IntegrityError
 from .files import copy_file, replace, write_new
 
@@ -85,7 +84,6 @@ class Flusher:
 
     # work ------------------------------------------------------------------------
     def _run(self) -> None:
-        run_in_background()
         delay = 0.05
         while True:
             with self._cv:

@@ -12,7 +12,6 @@ import contextlib
 import errno
 import importlib.util
 import math
-import os
 import subprocess
 import sys
 import threading
@@ -721,22 +720,3 @@ def test_version_timings_and_byte_counts(tmp_path: Path, lazy: bool) -> None:
         again = s.save_async(state, step=5, lazy=lazy).result(WAIT)
         assert again.bytes_total == nbytes and again.bytes_new == 0 and again.chunks_new == 0
 
-
-def test_background_threads_yield_the_cores_to_the_training_loop(tmp_path: Path) -> None:
-    """Hashing, writing and flushing threads run BACKGROUND_NICE below the caller (Linux renices per thread)."""
-    from datastates.engine import BACKGROUND_NICE
-
-    s = Store.open(tmp_path / "cold", hot=tmp_path / "hot")
-    try:
-        s.save({"w": torch.ones(1000)})
-        assert s.flush(timeout=60)
-        me = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        background = [t for t in threading.enumerate()
-                      if t.name.startswith(("datastates-hash", "datastates-pipeline", "datastates-flusher"))]
-        names = {t.name.split("_")[0] for t in background}
-        assert {"datastates-hash", "datastates-pipeline", "datastates-flusher"} <= names
-        for t in background:
-            assert t.native_id is not None
-            assert os.getpriority(os.PRIO_PROCESS, t.native_id) == min(19, me + BACKGROUND_NICE), t.name
-    finally:
-        s.close()
