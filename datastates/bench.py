@@ -118,7 +118,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--json-out", default=None, metavar="PATH", help="write the results as JSON ('-' = stdout)")
     p.add_argument("--skip", default="", help=f"comma-separated groups to leave out: {','.join(SKIPPABLE)}")
     p.add_argument("--chunk-size", type=_size_arg, default=None,
-                   help="datastates chunk size, e.g. 1MiB, 4MiB, 16MiB (default: the store default, 4MiB)")
+                   help="datastates chunk size, e.g. 1MiB, 4MiB, 16MiB (default: the store default, 16MiB)")
     p.add_argument("--zstd", type=int, default=0, metavar="LEVEL", help="datastates zstd level (default 0 = off)")
     p.add_argument("--reuse-unchanged", action="store_true",
                    help="open the store with reuse_unchanged=True (skip tensors torch's version counter says are "
