@@ -13,6 +13,7 @@ from .errors import (
     AmbiguousRefError,
     ConflictError,
     DataStatesError,
+    DeviceError,
     IntegrityError,
     InvalidNameError,
     NotFoundError,
@@ -32,8 +33,8 @@ from .versions import Version
 __version__ = "0.1.0"
 
 __all__ = [
-    "AmbiguousRefError", "ConflictError", "Flush", "DataStatesError", "IntegrityError", "InvalidNameError",
-    "NotFoundError", "PrunedError", "QueryError", "SaveFailedError", "SaveHandle", "ShapeMismatchError",
-    "StorageFullError", "Store", "StoreClosedError", "StoreFormatError", "TensorInfo",
+    "AmbiguousRefError", "ConflictError", "DataStatesError", "DeviceError", "Flush", "IntegrityError",
+    "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "SaveFailedError", "SaveHandle",
+    "ShapeMismatchError", "StorageFullError", "Store", "StoreClosedError", "StoreFormatError", "TensorInfo",
     "UnsupportedValueError", "Version", "__version__",
 ]

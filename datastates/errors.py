@@ -68,5 +68,9 @@ class ShapeMismatchError(DataStatesError, ValueError):
     """A stored tensor does not match the dtype or shape it is loaded into."""
 
 
+class DeviceError(DataStatesError, ValueError):
+    """A load asked for a device this process cannot use (unknown name, no such GPU, torch built without it)."""
+
+
 class StorageFullError(DataStatesError, OSError):
     """A tier ran out of space (ENOSPC); nothing of the failed save is visible."""

@@ -36,6 +36,7 @@ from .errors import (
     AmbiguousRefError,
     ConflictError,
     DataStatesError,
+    DeviceError,
     IntegrityError,
     InvalidNameError,
     NotFoundError,
@@ -927,9 +928,10 @@ class Store:
 
         `keys` selects key paths (exact, a prefix ending at a '.', or a glob).
         Raises NotFoundError (ref, key), PrunedError, IntegrityError,
-        UnsupportedValueError (pickle without allow_pickle).
+        UnsupportedValueError (pickle without allow_pickle), DeviceError (before reading anything).
         """
         self._check_open()
+        dev = _usable_device(device)
         v = self.version(ref)
         m = self.manifest_of(v, rank)
         select = None
@@ -949,7 +951,6 @@ class Store:
             if r["kind"] != "storage" and (select is None or select(r["key"])):
                 want(i)
         loaded = self._read_rows(m, [i for i in wanted if rows[i]["kind"] in ("tensor", "storage")])
-        dev = torch.device(device)
         out: dict[int, torch.Tensor] = {}
         for i in wanted:
             r = rows[i]
@@ -1180,6 +1181,18 @@ def _label(ref: Any) -> str:
     if isinstance(ref, Version):
         return ref.short
     return str(ref) if isinstance(ref, str) else type(ref).__name__
+
+
+def _usable_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device this process can allocate on; DeviceError otherwise."""
+    try:
+        dev = torch.device(device)
+        if dev.type != "cpu":
+            torch.empty(0, device=dev)  # the one reliable probe: an unknown index, a missing backend
+    except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+        raise DeviceError(f"cannot load onto device {device!r}: {str(exc).splitlines()[0]}; "
+                          "pass device='cpu' (the default) or a device this process has") from exc
+    return dev
 
 
 def _check_chunk_size(size: int) -> None:

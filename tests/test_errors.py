@@ -307,3 +307,16 @@ def test_failed_branch_move_keeps_the_store_consistent(zygote: Zygote, filled: d
     assert out["LOAD"] == ["ok"], out  # the same tensors, saved again on another branch, load
     with ds.Store.open(path) as s:
         assert s.fsck().ok
+
+
+@pytest.mark.parametrize("device", ["nope", "cuda:7", "xpu"])
+def test_load_onto_a_device_this_process_lacks(filled: ds.Store, unchanged: Any, device: str) -> None:
+    if device == "cuda:7" and torch.cuda.device_count() > 7:
+        pytest.skip("this machine has a cuda:7")
+    with unchanged(filled), pytest.raises(ds.DeviceError, match=device.split(":")[0]) as err:
+        filled.load("main", device=device)
+    assert "device='cpu'" in str(err.value)
+    from torch.utils._pytree import tree_leaves
+
+    tensors = [x for x in tree_leaves(filled.load("main", device=torch.device("cpu"))) if isinstance(x, torch.Tensor)]
+    assert tensors and all(t.device.type == "cpu" for t in tensors)  # the default place still works
