@@ -15,6 +15,7 @@ from .errors import (
     DataStatesError,
     DeviceError,
     IntegrityError,
+    InvalidArgumentError,
     InvalidNameError,
     NotFoundError,
     PrunedError,
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AmbiguousRefError", "ConflictError", "DataStatesError", "DeviceError", "Flush", "IntegrityError",
-    "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "SaveFailedError", "SaveHandle",
-    "ShapeMismatchError", "StorageFullError", "Store", "StoreClosedError", "StoreFormatError", "TensorInfo",
-    "UnsupportedValueError", "Version", "__version__",
+    "InvalidArgumentError", "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "SaveFailedError",
+    "SaveHandle", "ShapeMismatchError", "StorageFullError", "Store", "StoreClosedError", "StoreFormatError",
+    "TensorInfo", "UnsupportedValueError", "Version", "__version__",
 ]

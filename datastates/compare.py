@@ -67,6 +67,8 @@ def diff(store: Store, a: Any, b: Any, keys: list[str] | None = None) -> pa.Tabl
     max abs difference, chunks and bytes shared. Raises NotFoundError, PrunedError."""
     va, vb = store.version(a), store.version(b)
     ma, mb = store.manifest_of(va), store.manifest_of(vb)
+    if isinstance(keys, str):  # one glob, not its characters
+        keys = [keys]
     ra, rb = _rows(ma, keys), _rows(mb, keys)
     out: list[dict[str, Any]] = []
     for key in sorted(set(ra) | set(rb)):

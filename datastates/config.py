@@ -13,7 +13,7 @@ from typing import Any
 
 import tomllib
 
-from .errors import StoreFormatError
+from .errors import InvalidArgumentError, StoreFormatError
 from .files import replace
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGTP]?i?B?)?\s*$", re.IGNORECASE)
@@ -37,7 +37,7 @@ def parse_size(value: str | int | None) -> int | None:
         return value
     m = _SIZE.match(value)
     if not m:
-        raise ValueError(f"size {value!r} is not like '200GiB', '512MiB' or a number of bytes")
+        raise InvalidArgumentError(f"size {value!r} is not like '200GiB', '512MiB' or a number of bytes")
     unit = (m.group(2) or "").lower()[:1]
     return int(float(m.group(1)) * _UNITS[unit])
 

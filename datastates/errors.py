@@ -68,6 +68,10 @@ class ShapeMismatchError(DataStatesError, ValueError):
     """A stored tensor does not match the dtype or shape it is loaded into."""
 
 
+class InvalidArgumentError(DataStatesError, ValueError):
+    """An argument outside what the call accepts (a negative size, a step that is not an integer...)."""
+
+
 class DeviceError(DataStatesError, ValueError):
     """A load asked for a device this process cannot use (unknown name, no such GPU, torch built without it)."""
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from .chunks import CODEC_ZSTD, ChunkLocation, chunk_id
 from .config import human_bytes
-from .errors import DataStatesError, IntegrityError
+from .errors import DataStatesError, IntegrityError, InvalidArgumentError
 from .files import fsync_dir
 from .manifest import Manifest
 
@@ -172,7 +172,7 @@ def gc(store: Store, dry_run: bool = False, repack_threshold: float = 0.5,
     if a manifest of a version that is not pruned cannot be read (nothing changed then).
     """
     if not 0.0 <= repack_threshold <= 1.0:
-        raise ValueError(f"repack_threshold {repack_threshold} must be between 0 and 1")
+        raise InvalidArgumentError(f"repack_threshold {repack_threshold} must be between 0 and 1")
     store._check_open()
     tier, cat, cold = store.tier, store.catalog, store.cold
     # As the flusher does: an unmounted cold tier is an empty directory, never "the pack is not there".

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
-from .errors import ConflictError, NotFoundError
+from .errors import ConflictError, InvalidArgumentError, NotFoundError
 
 __all__ = [
     "DictGraph", "Graph", "ancestors", "descendants", "first_parent_chain", "is_ancestor", "merge_base",
@@ -104,7 +104,7 @@ class DictGraph:
 
 def _check_depth(depth: int | None) -> None:
     if depth is not None and depth < 0:
-        raise ValueError(f"depth must be >= 0 or None, not {depth}")
+        raise InvalidArgumentError(f"depth must be >= 0 or None, not {depth}")
 
 
 Step = Callable[[str], Sequence[str]]
@@ -314,7 +314,7 @@ def first_parent_chain(g: Graph, start: str, n: int, label: str | None = None) -
     ValueError if n < 0.
     """
     if n < 0:
-        raise ValueError(f"~{n}: the number of steps must be >= 0")
+        raise InvalidArgumentError(f"~{n}: the number of steps must be >= 0")
     parents, _, _ = _lookups(g, start)
     chain = _first_parents(parents, start, n)
     if len(chain) < n:

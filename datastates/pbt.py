@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from .errors import NotFoundError
+from .errors import InvalidArgumentError, NotFoundError
 from .retention import register_protector
 
 if TYPE_CHECKING:
@@ -66,9 +66,9 @@ class Population:
                  hparams: dict[str, Any] | list[dict[str, Any]] | None = None, fraction: float = 0.25,
                  seed: int = 0) -> None:
         if mode not in ("min", "max"):
-            raise ValueError(f"mode {mode!r} must be 'min' or 'max'")
+            raise InvalidArgumentError(f"mode {mode!r} must be 'min' or 'max'")
         if size < 2:
-            raise ValueError(f"a population needs at least 2 members, not {size}")
+            raise InvalidArgumentError(f"a population needs at least 2 members, not {size}")
         self.store, self.name, self.metric, self.mode, self.fraction = store, name, metric, mode, fraction
         self.rng = random.Random(seed)
         per = hparams if isinstance(hparams, list) else [dict(hparams or {}) for _ in range(size)]

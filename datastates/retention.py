@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import DataStatesError
+from .errors import DataStatesError, InvalidArgumentError
 from .files import canonical_json, write_new
 from .versions import Version, decode_record
 
@@ -113,7 +113,7 @@ class KeepLatest(Policy):
 
     def __post_init__(self) -> None:
         if self.n < 0:
-            raise ValueError(f"KeepLatest(n={self.n}): n must be 0 or more")
+            raise InvalidArgumentError(f"KeepLatest(n={self.n}): n must be 0 or more")
 
     def keep(self, versions: list[Version], store: Store) -> set[str]:
         groups: dict[str | None, list[Version]] = {}
@@ -144,11 +144,11 @@ class KeepBest(Policy):
 
     def __post_init__(self) -> None:
         if self.n < 0:
-            raise ValueError(f"KeepBest(n={self.n}): n must be 0 or more")
+            raise InvalidArgumentError(f"KeepBest(n={self.n}): n must be 0 or more")
         if self.mode not in ("min", "max"):
-            raise ValueError(f"KeepBest(mode={self.mode!r}): mode must be 'min' or 'max'")
+            raise InvalidArgumentError(f"KeepBest(mode={self.mode!r}): mode must be 'min' or 'max'")
         if not self.metric or not isinstance(self.metric, str):
-            raise ValueError(f"KeepBest(metric={self.metric!r}): give a path such as 'metrics.val_loss'")
+            raise InvalidArgumentError(f"KeepBest(metric={self.metric!r}): give a path such as 'metrics.val_loss'")
 
     def keep(self, versions: list[Version], store: Store) -> set[str]:
         scored: list[tuple[float, Version]] = []
@@ -172,7 +172,7 @@ class KeepEvery(Policy):
 
     def __post_init__(self) -> None:
         if self.n_steps < 1:
-            raise ValueError(f"KeepEvery(n_steps={self.n_steps}): n_steps must be 1 or more")
+            raise InvalidArgumentError(f"KeepEvery(n_steps={self.n_steps}): n_steps must be 1 or more")
 
     def keep(self, versions: list[Version], store: Store) -> set[str]:
         return {v.id for v in versions if v.step is not None and v.step % self.n_steps == 0}
@@ -222,8 +222,8 @@ class Retention(Policy):
             else:
                 raise TypeError(f"{p!r} is not a retention policy (KeepLatest, KeepBest, KeepEvery, KeepIf, ...)")
         if not flat:
-            raise ValueError("Retention() needs at least one policy; Retention(KeepBranchHeads()) keeps only the "
-                             "branch heads and tagged versions")
+            raise InvalidArgumentError("Retention() needs at least one policy; Retention(KeepBranchHeads()) keeps only "
+                                       "the branch heads and tagged versions")
         self.policies: tuple[Policy, ...] = tuple(flat)
 
     def keep(self, versions: list[Version], store: Store) -> set[str]:

@@ -38,6 +38,7 @@ from .errors import (
     DataStatesError,
     DeviceError,
     IntegrityError,
+    InvalidArgumentError,
     InvalidNameError,
     NotFoundError,
     PrunedError,
@@ -144,9 +145,16 @@ class Store:
         These settings are kept in `path/config.toml`, so a later open of
         `path` alone (CLI, server) sees the same tiers.
         Raises StoreFormatError for a newer format or a non-store directory,
-        NotFoundError when `create=False` and nothing is there. A missing
+        NotFoundError when `create=False` and nothing is there, InvalidArgumentError
+        for a chunk size, pool size or worker count out of range. A missing
         catalog is rebuilt from the tier files.
         """
+        if pool_bytes is not None and pool_bytes <= 0:
+            raise InvalidArgumentError(f"pool_bytes {pool_bytes} must be positive (or None: a share of RAM)")
+        if workers < 1:
+            raise InvalidArgumentError(f"workers {workers} must be 1 or more")
+        if chunk_size is not None:
+            _check_chunk_size(chunk_size)
         root = Path(path).expanduser()
         saved = None
         try:
@@ -329,8 +337,8 @@ class Store:
         request = {
             "branch": branch,
             "parents": None if parents is None else [self.resolve(p) for p in parents],
-            "step": None if step is None else int(step),
-            "epoch": None if epoch is None else int(epoch),
+            "step": _whole_number(step, "step"),
+            "epoch": _whole_number(epoch, "epoch"),
             "hparams": plain_json(hparams, "hparams"),
             "metrics": plain_json(metrics, "metrics"),
             "message": str(message),
@@ -936,7 +944,7 @@ class Store:
         m = self.manifest_of(v, rank)
         select = None
         if keys is not None:
-            select = _key_selector(list(keys), _tree_paths(m.tree), v)
+            select = _key_selector([keys] if isinstance(keys, str) else list(keys), _tree_paths(m.tree), v)
         rows = m.rows
         wanted: list[int] = []
 
@@ -1195,9 +1203,23 @@ def _usable_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def _whole_number(value: Any, what: str) -> int | None:
+    """`value` as an int (None stays None); InvalidArgumentError for anything that is not a whole number."""
+    if value is None:
+        return None
+    try:
+        n = int(value)
+        ok = n == value and not isinstance(value, bool)
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise InvalidArgumentError(f"{what}={value!r} is not a whole number; give an int such as {what}=100")
+    return n
+
+
 def _check_chunk_size(size: int) -> None:
     if size <= 0 or size % 64:
-        raise ValueError(f"chunk_size {size} must be a positive multiple of 64 bytes")
+        raise InvalidArgumentError(f"chunk_size {size} must be a positive multiple of 64 bytes")
 
 
 try:

@@ -320,3 +320,25 @@ def test_load_onto_a_device_this_process_lacks(filled: ds.Store, unchanged: Any,
 
     tensors = [x for x in tree_leaves(filled.load("main", device=torch.device("cpu"))) if isinstance(x, torch.Tensor)]
     assert tensors and all(t.device.type == "cpu" for t in tensors)  # the default place still works
+
+
+@pytest.mark.parametrize("kw", [{"step": "abc"}, {"step": 1.5}, {"epoch": [1]}, {"step": True}])
+def test_step_and_epoch_must_be_whole_numbers(filled: ds.Store, unchanged: Any, kw: dict[str, Any]) -> None:
+    name = next(iter(kw))
+    with unchanged(filled), pytest.raises(ds.InvalidArgumentError, match=f"{name}=.*whole number"):
+        filled.save({"t": torch.ones(2)}, **kw)
+    assert filled.save({"t": torch.ones(2)}, step=7.0, epoch=2).step == 7  # 7.0 is a whole number
+
+
+@pytest.mark.parametrize("kw,what", [({"pool_bytes": -1}, "pool_bytes"), ({"pool_bytes": 0}, "pool_bytes"),
+                                     ({"workers": 0}, "workers"), ({"chunk_size": 100}, "chunk_size")])
+def test_open_refuses_sizes_out_of_range(tmp_path: Path, kw: dict[str, Any], what: str) -> None:
+    with pytest.raises(ds.InvalidArgumentError, match=what):
+        ds.Store.open(tmp_path / "s", **kw)
+    assert not (tmp_path / "s").exists()  # nothing created
+
+
+def test_keys_given_as_one_string(filled: ds.Store) -> None:
+    v = filled.save({"model": {"w": torch.ones(2), "b": torch.zeros(1)}}, branch="k")
+    assert set(filled.load(v, keys="model.w")["model"]) == {"w"}
+    assert filled.diff(v, v, keys="model.w").column("key").to_pylist() == ["model.w"]
