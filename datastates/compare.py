@@ -8,6 +8,7 @@ the change: a.b = (|a|^2 + |b|^2 - |b-a|^2) / 2.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import pyarrow as pa
 import torch
 
 from .chunks import spans
+from .errors import NotFoundError
 from .manifest import Manifest
 from .statetree import dtype_from_name
 
@@ -161,10 +163,13 @@ def history(store: Store, key: str, ref: Any = "main") -> pa.Table:
     """A tensor's stored statistics along the first-parent chain of `ref`, oldest first.
 
     Reads manifests only, never tensor bytes. Versions without `key` are skipped.
+    Raises NotFoundError naming close keys when no version of the chain has `key` (a typo
+    would otherwise read as an empty history).
     """
     rows: list[dict[str, Any]] = []
     prev: dict[str, Any] | None = None
-    for v in history_versions(store, ref):
+    chain = history_versions(store, ref)
+    for v in chain:
         m = store.manifest_of(v)
         i = m.index.get(key)
         if i is None:
@@ -178,6 +183,12 @@ def history(store: Store, key: str, ref: Any = "main") -> pa.Table:
                      **{f: tr[f] for f in ("min", "max", "mean", "std", "l2", "nan_count", "inf_count")},
                      "chunks_changed": changed, "l2_delta": l2_delta})
         prev = tr
+    if not rows and chain:
+        keys = list(store.manifest_of(chain[-1]).index)
+        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(repr(k) for k in close)}? " if close else ""
+        raise NotFoundError(f"no version in the first-parent chain of {ref!r} has a tensor {key!r}; {hint}"
+                            f"`datastates ls {ref}` lists its keys")
     return pa.Table.from_pylist(rows, schema=HISTORY_SCHEMA)
 
 

@@ -88,6 +88,8 @@ def test_history_tracks_stats_without_reading_tensors(store: ds.Store, monkeypat
     assert t.column("l2").to_pylist() == pytest.approx(expected_l2)
     assert t.column("max").to_pylist() == [1.0, 2.0, 3.0, 4.0]
     assert t.column("chunks_changed").to_pylist() == [None, 1, 1, 1]
+    with pytest.raises(ds.NotFoundError, match="did you mean 'model.w'"):
+        store.history("model.ww")
 
 
 def test_history_values_yields_each_version(store: ds.Store) -> None:
