@@ -420,6 +420,7 @@ class Store:
         branch = req["branch"]
         refs = self.tier.refs
         with refs.locked():
+            self._restore_pins(job)
             head = refs.get("branch", branch) if branch else None
             parents = req["parents"] if req["parents"] is not None else ([head] if head else [])
             rec = record_dict(
@@ -596,6 +597,25 @@ class Store:
                     self._pins[pack] = self._pins.get(pack, 0) + 1
         return [loc is not None and on_hot[loc.pack] for loc in locs]
 
+    def _restore_pins(self, job: SaveJob) -> None:
+        """Under the hot ref lock, just before commit: put back on hot any pack this save reused chunks
+        from that another process's eviction removed since (it had a copy on cold). Eviction holds the
+        same lock and keeps the packs of committed versions not on cold, so after this commit they stay.
+
+        Raises IntegrityError if the pack is on no tier any more (then nothing is committed)."""
+        if self.cold is None:
+            return
+        for pack in sorted(job.pins):
+            hot_path = self.hot.pack_path(pack)
+            if hot_path.exists():
+                continue
+            cold_path = self.cold.pack_path(pack)
+            if not cold_path.exists():
+                raise IntegrityError(f"pack {pack}, which this save reuses chunks from, is on neither tier; "
+                                     "save again (its chunks will be written anew)")
+            copy_file(cold_path, hot_path)
+            log.info("pack %s was evicted while a save reused it; copied back from cold", pack)
+
     def _unpin(self, job: SaveJob) -> None:
         with self._evict_lock:
             for pack in job.pins:
@@ -627,12 +647,15 @@ class Store:
 
         Never dropped: a pack cold does not hold, one a version not yet on cold
         names (flushed later, or never, by policy: a cold gc may delete cold's
-        copy meanwhile), one a save in flight reuses chunks from.
+        copy meanwhile), one a save in flight in this process reuses chunks
+        from. Runs under the hot ref lock, as commits do, so a save of another
+        process either committed before (its packs are kept) or restores what
+        it reused before it commits (`_restore_pins`).
         """
         cap = self.tiering.hot_capacity
         if self.cold is None or cap is None:
             return
-        with self._evict_lock:
+        with self._evict_lock, self.hot.refs.locked():
             packs = {p.name.removesuffix(".pack"): p.stat().st_size for p in (self.hot.root / "packs").glob("*.pack")}
             used = sum(packs.values())
             if used <= cap:

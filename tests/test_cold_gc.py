@@ -186,3 +186,33 @@ def test_killed_during_cold_gc_leaves_every_live_version_loadable(tmp_path: Path
             else:
                 assert same(c.load(v.id)["w"], t(i))
         assert c.fsck().ok
+
+
+def test_a_pack_evicted_by_another_process_between_reuse_and_commit_is_put_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another process sharing the hot dir evicts (its copy is on cold) a pack this save reuses chunks
+    from, after the dedup and before the commit: the commit copies it back from cold, so the version
+    never depends on cold alone."""
+    real_commit = ds.Store._commit
+    evicted: list[str] = []
+
+    def commit_after_foreign_eviction(self: ds.Store, job: Any) -> Any:
+        for p in job.pins:  # what the other process's eviction would do: hot copy gone, cold copy kept
+            self.hot.pack_path(p).unlink()
+            evicted.append(p)
+        return real_commit(self, job)
+
+    monkeypatch.setattr(ds.Store, "_commit", commit_after_foreign_eviction)  # before open: the pipeline binds it
+    s = host(tmp_path, "hot")
+    shared = t(3)
+    v1 = s.save({"w": shared})  # reuses nothing: untouched
+    assert s.flush(timeout=60) and evicted == []
+    (pack,) = [p for p in (tmp_path / "hot" / "packs").glob("*.pack")]
+    v2 = s.save({"w": shared, "x": t(4)}, branch="other")
+    assert evicted == [pack.stem] and v2.bytes_new == t(4).nbytes  # "w" was reused, not rewritten
+    assert pack.exists() and "hot" in s.where(v2)  # restored on hot before the commit
+    assert s.flush(timeout=60) and s.where(v2) == ["hot", "cold"]
+    (tmp_path / "cold").rename(tmp_path / "cold-away")  # hot alone serves both versions
+    assert same(s.load(v2)["w"], shared) and same(s.load(v1)["w"], shared)
+    (tmp_path / "cold-away").rename(tmp_path / "cold")
+    s.close()
