@@ -24,7 +24,8 @@ _LOC = struct.Struct("<16sQQQB")
 _OPEN: dict[str, tuple[lmdb.Environment, int]] = {}
 _OPEN_LOCK = threading.Lock()
 _DB_HANDLES: dict[str, dict[str, Any]] = {}
-_DBS = (b"chunks", b"packs", b"versions", b"children", b"extra", b"annotations", b"meta")
+_DBS = (b"chunks", b"packs", b"versions", b"children", b"extra", b"annotations", b"meta", b"nodes")
+_CREATED = struct.Struct("<d")
 
 
 def _pack_loc(loc: ChunkLocation) -> bytes:
@@ -138,6 +139,10 @@ class Catalog:
                 # Unless told otherwise, the first writer wins: a chunk another process indexed stays put.
                 txn.put(cid, _pack_loc(loc), db=self._db["chunks"], overwrite=batch.overwrite_chunks)
             txn.put(vid, batch.record, db=self._db["versions"])
+            # The walks' view of the record (creation time, parents) without parsing its JSON.
+            created = float(json.loads(batch.record).get("created") or 0.0)
+            txn.put(vid, _CREATED.pack(created) + b"".join(bytes.fromhex(p) for p in batch.parents),
+                    db=self._db["nodes"])
             for p in batch.parents:
                 txn.put(bytes.fromhex(p) + vid, b"", db=self._db["children"])
             if batch.extra:
@@ -260,10 +265,22 @@ class Catalog:
         with self.env.begin(write=True, db=self._db["meta"]) as txn:
             txn.put(key.encode(), value.encode())
 
+    def node(self, vid: str) -> tuple[tuple[str, ...], float] | None:
+        """(parents, created) of an indexed version, read without parsing its record; None if absent
+        (unknown, or indexed by a catalog older than the `nodes` table: read the record then)."""
+        with self.env.begin(db=self._db["nodes"]) as txn:
+            raw = txn.get(bytes.fromhex(vid))
+        if raw is None:
+            return None
+        raw = bytes(raw)
+        parents = tuple(raw[i:i + 32].hex() for i in range(_CREATED.size, len(raw), 32))
+        return parents, _CREATED.unpack_from(raw)[0]
+
     def drop_version(self, vid: str, parents: list[str]) -> None:
         key = bytes.fromhex(vid)
         with self.env.begin(write=True) as txn:
             txn.delete(key, db=self._db["versions"])
+            txn.delete(key, db=self._db["nodes"])
             txn.delete(key, db=self._db["extra"])
             for p in parents:
                 txn.delete(bytes.fromhex(p) + key, db=self._db["children"])

@@ -25,12 +25,14 @@ class CatalogGraph:
     def _node(self, vid: str) -> tuple[tuple[str, ...], float]:
         node = self._nodes.get(vid)
         if node is None:
+            node = self.catalog.node(vid)
+        if node is None:
             data = self.catalog.record(vid)
             if data is None:
                 raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
             rec = json.loads(data)
             node = (tuple(rec.get("parents", ())), float(rec.get("created", 0.0)))
-            self._nodes[vid] = node
+        self._nodes[vid] = node
         return node
 
     def parents(self, vid: str) -> Sequence[str]:

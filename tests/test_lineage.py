@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import datastates as ds
+from datastates import graph
 from datastates.errors import ConflictError, NotFoundError
 from datastates.lineage import (
     DictGraph,
@@ -311,3 +315,17 @@ def test_unknown_ids_and_bad_arguments_raise() -> None:
     assert ancestors(g, "b", depth=0) == [] and ancestors(g, "b", depth=0, include_start=True) == ["b"]
     assert paths(g, "a", "b", limit=0) == []
     assert paths(g, "b", "b") == [["b"]]
+
+
+def test_the_catalog_keeps_each_version_s_parents_and_time_for_the_walks(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s") as s:
+        a = s.save({"w": torch.ones(2)})
+        b = s.save({"w": torch.zeros(2)}, branch="side")
+        m = s.save({"w": torch.full((2,), 0.5)}, parents=[a, b], branch="soup")
+        for v in (a, b, m):
+            assert s.catalog.node(v.id) == (v.parents, v.created)
+        assert s.catalog.node("0" * 64) is None
+        graph._CACHE.clear()  # walks read the table, not the records: same answers
+        assert set(s.ancestors(m)) == {a.id, b.id} and s.merge_base(m, b) == b.id
+        s.fsck(rebuild=True)  # a rebuilt catalog has the table too
+        assert s.catalog.node(m.id) == (m.parents, m.created)
