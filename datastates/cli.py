@@ -79,30 +79,28 @@ def _ls(store: Store, args: argparse.Namespace) -> int:
     return 0
 
 
-@_command("tag")
-def _tag(store: Store, args: argparse.Namespace) -> int:
-    if args.delete:
-        store.delete_tag(args.delete)
-    elif args.name:
-        vid = store.tag(args.name, args.ref, args.message or "")
-        print(f"tag {args.name} -> {vid[:12]}")
-    else:
-        for name, vid in store.tags().items():
-            print(f"{name}\t{vid[:12]}")
-    return 0
+def _refs(kind: str) -> Handler:
+    """`datastates tag` / `branch`: list, create (`NAME [REF]`) or delete (`-d NAME`)."""
+
+    def handler(store: Store, args: argparse.Namespace) -> int:
+        if args.delete:
+            (store.delete_tag if kind == "tag" else store.delete_branch)(args.delete)
+        elif args.name:
+            if kind == "tag":
+                vid = store.tag(args.name, args.ref, args.message or "")
+            else:
+                vid = store.branch(args.name, at=args.ref, force=args.force)
+            print(f"{kind} {args.name} -> {vid[:12]}")
+        else:
+            for name, vid in (store.tags() if kind == "tag" else store.branches()).items():
+                print(f"{name}\t{vid[:12]}")
+        return 0
+
+    return handler
 
 
-@_command("branch")
-def _branch(store: Store, args: argparse.Namespace) -> int:
-    if args.delete:
-        store.delete_branch(args.delete)
-    elif args.name:
-        vid = store.branch(args.name, at=args.ref, force=args.force)
-        print(f"branch {args.name} -> {vid[:12]}")
-    else:
-        for name, vid in store.branches().items():
-            print(f"{name}\t{vid[:12]}")
-    return 0
+_COMMANDS["tag"] = _refs("tag")
+_COMMANDS["branch"] = _refs("branch")
 
 
 @_command("du")

@@ -210,17 +210,22 @@ def descendants(g: Graph, start: str, *, depth: int | None = None, include_start
     return out
 
 
-def _closure(parents: Step, start: str) -> set[str]:
-    """`start` and all its ancestors, as a set."""
+def _upward(parents: Step, start: str) -> Iterator[str]:
+    """`start`, then each of its ancestors once, breadth first (lazily: callers may stop early)."""
     seen = {start}
     queue = [start]
     mark, emit = seen.add, queue.append
     for v in queue:
+        yield v
         for p in parents(v):
             if p not in seen:
                 mark(p)
                 emit(p)
-    return seen
+
+
+def _closure(parents: Step, start: str) -> set[str]:
+    """`start` and all its ancestors, as a set."""
+    return set(_upward(parents, start))
 
 
 def is_ancestor(g: Graph, a: str, b: str) -> bool:
@@ -229,19 +234,7 @@ def is_ancestor(g: Graph, a: str, b: str) -> bool:
     Raises NotFoundError if either id is unknown.
     """
     parents, _, _ = _lookups(g, a, b)
-    if a == b:
-        return True
-    seen = {b}
-    queue = [b]
-    mark, emit = seen.add, queue.append
-    for v in queue:
-        for p in parents(v):
-            if p not in seen:
-                if p == a:
-                    return True
-                mark(p)
-                emit(p)
-    return False
+    return any(v == a for v in _upward(parents, b))
 
 
 def merge_bases(g: Graph, a: str, b: str) -> list[str]:

@@ -519,12 +519,12 @@ class Store:
         if self.cold is None or not (self.cold.root / "FORMAT").is_file():
             return counts  # unreachable: an empty mount point says nothing about what cold holds
         known = set(self.catalog.packs())
-        for pack in known:  # collected on cold by some host's gc, and no copy on hot: forget its chunks
-            if not self.hot.pack_path(pack).exists() and not self.cold.pack_path(pack).exists():
+        on_cold = {p.name.removesuffix(".pack"): p for p in list_packs(self.cold.root / "packs")}
+        for pack in known - on_cold.keys():  # collected on cold by some host's gc, no copy on hot: forget it
+            if not self.hot.pack_path(pack).exists():
                 self.catalog.drop_pack(pack)
                 counts["packs_gone"] += 1
-        for path in list_packs(self.cold.root / "packs"):
-            pack = path.name.removesuffix(".pack")
+        for pack, path in on_cold.items():  # one listing of cold, not a stat per pack (PFS metadata)
             if pack not in known:
                 idx = read_index(path)
                 self.catalog.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx),
