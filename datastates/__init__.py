@@ -7,8 +7,7 @@
 
 from __future__ import annotations
 
-from .config import Flush
-from .engine import SaveHandle
+from .base.config import Flush
 from .errors import (
     AmbiguousRefError,
     ConflictError,
@@ -27,9 +26,10 @@ from .errors import (
     StoreFormatError,
     UnsupportedValueError,
 )
-from .manifest import TensorInfo
+from .meta.versions import Version
+from .save.job import SaveHandle
+from .save.manifest import TensorInfo
 from .store import Store
-from .versions import Version
 
 __version__ = "0.1.0"
 

@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 
 from .errors import InvalidArgumentError, NotFoundError
-from .retention import register_protector
+from .maintenance.retention import register_protector
 
 if TYPE_CHECKING:
+    from .meta.versions import Version
+    from .repo.repository import Repository
     from .store import Store
-    from .versions import Version
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Population:
             head = m.head
             if head is not None:
                 m.hparams = dict(head.hparams)
-        _LIVING.setdefault(id(store), []).append(self)
+        _LIVING.setdefault(id(store.repo), []).append(self)
 
     def ranked(self) -> list[Member]:
         """Members with a score, best first."""
@@ -169,10 +170,11 @@ class Population:
 _LIVING: dict[int, list[Population]] = {}
 
 
-def protected_versions(store: Store) -> set[str]:
-    """Versions that the populations open on `store` in this process must keep (for retention)."""
+def protected_versions(store: Store | Repository) -> set[str]:
+    """Versions that the populations open on `store` in this process must keep (for retention).
+    Keyed by the repository, which is what prune hands protectors."""
     out: set[str] = set()
-    for pop in _LIVING.get(id(store), []):
+    for pop in _LIVING.get(id(getattr(store, "repo", store)), []):
         out |= pop.protected()
     return out
 

@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from datastates.errors import DataStatesError, SaveFailedError, StorageFullError, StoreClosedError
-from datastates.packs import PackWriter
-from datastates.refs import RefStore
+from datastates.meta.refs import RefStore
+from datastates.objects.packs import PackWriter
+from datastates.objects.tier import Tier
 from datastates.store import Store
-from datastates.tier import Tier
 
 MiB = 1 << 20
 CHUNK = 1 << 20
@@ -372,7 +372,7 @@ def test_writer_error_fails_the_save_invisibly_and_is_reported_once(
 def test_disk_full_raises_storage_full_error_from_result(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """ENOSPC from a pack write becomes StorageFullError (a DataStatesError and an OSError), raised as is by
     result(); the next store.wait() wraps it in SaveFailedError."""
-    import datastates.packs as packs
+    import datastates.objects.packs as packs
 
     def write_all(fd: int, data: Any) -> int:
         raise OSError(errno.ENOSPC, "injected ENOSPC")
@@ -425,7 +425,7 @@ def test_a_failed_save_does_not_take_down_saves_queued_behind_it(
 
 
 def test_a_write_error_cause_chain_has_no_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import datastates.packs as packs
+    import datastates.objects.packs as packs
 
     orig = packs.write_all
 

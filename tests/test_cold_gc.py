@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import datastates as ds
-from datastates.gc import add_parsers, run
+from datastates.cli.maintenance import add_parsers, run
 from datastates.retention import KeepLatest, Retention, prune
 
 CHUNK = 64 << 10

@@ -50,7 +50,7 @@ def check_linear_main(s: ds.Store, saved: dict[str, list[str]]) -> list[str]:
     assert [e["new"] for e in log] == chain
     assert [e["old"] for e in log] == [None, *chain[:-1]]
     try:
-        import datastates.lineage  # noqa: F401
+        import datastates.query.lineage  # noqa: F401
     except ImportError:
         pass
     else:
@@ -145,7 +145,7 @@ def test_same_new_bytes_from_two_writers_leave_a_clean_store(tmp_path: Path) -> 
     path = tmp_path / "store"
     state = {"t": torch.randn(4096)}
     with ds.Store.open(path) as a, ds.Store.open(path) as b:
-        with a.tier.refs.locked():  # both saves write their packs, then wait here to commit
+        with a.refs.locked():  # both saves write their packs, then wait here to commit
             ha, hb = a.save_async(state, branch="a"), b.save_async(state, branch="b")
             deadline = time.monotonic() + 30
             while len(list((path / "packs").glob("*.pack"))) < 2:

@@ -16,7 +16,7 @@ import torch
 from helpers.states import assert_same
 
 import datastates as ds
-from datastates.chunks import ChunkLocation
+from datastates.objects.chunks import ChunkLocation
 
 KIB = 1 << 10
 

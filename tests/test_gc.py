@@ -18,9 +18,10 @@ import torch
 from helpers import states
 
 from datastates import NotFoundError, PrunedError, Store
-from datastates.config import Flush
-from datastates.gc import GcReport, add_parsers, gc, human_bytes, run
-from datastates.packs import list_packs
+from datastates.base.config import Flush, human_bytes
+from datastates.cli.maintenance import add_parsers, run
+from datastates.maintenance.gc import GcReport, gc
+from datastates.objects.packs import list_packs
 from datastates.retention import KeepEvery, KeepLatest, Retention, prune
 
 CHUNK = 1024
@@ -350,7 +351,7 @@ CRASH_LIVE = 8  # KeepEvery(6) keeps steps 0, 6, ..., 36; the head 39 stays too
 _SERVER = """
 import os, sys, traceback
 from datastates import Store
-from datastates.gc import gc
+from datastates.maintenance.gc import gc
 print("ready", flush=True)
 for line in sys.stdin:
     cmd, *args = line.split()

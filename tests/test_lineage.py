@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import datastates as ds
-from datastates import graph
 from datastates.errors import ConflictError, NotFoundError
-from datastates.lineage import (
+from datastates.meta import graph
+from datastates.query.lineage import (
     DictGraph,
     ancestors,
     descendants,

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from datastates.errors import QueryError
-from datastates.query import (
+from datastates.query.language import (
     And,
     Compare,
     InList,

@@ -16,9 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import datastates as ds
-from datastates.catalog import CommitBatch
-from datastates.refs import check_name
-from datastates.versions import encode_record
+from datastates.meta.catalog import CommitBatch
+from datastates.meta.refs import check_name
+from datastates.meta.versions import encode_record
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_delete_branch_keeps_versions(chain: tuple[ds.Store, list[str]]) -> None
 
 def test_compare_and_swap(chain: tuple[ds.Store, list[str]], unchanged: Any) -> None:
     s, ids = chain
-    refs = s.tier.refs
+    refs = s.refs
     with unchanged(s):
         with pytest.raises(ds.ConflictError, match="main"):
             refs.set_if_equals("branch", "main", ids[0], ids[1])  # main is at ids[4], not ids[0]
@@ -160,7 +160,7 @@ def test_reflog_has_one_entry_per_move(chain: tuple[ds.Store, list[str]]) -> Non
 
 
 def test_log_follows_first_parents(chain: tuple[ds.Store, list[str]]) -> None:
-    pytest.importorskip("datastates.lineage")
+    pytest.importorskip("datastates.query.lineage")
     s, ids = chain
     assert [v.id for v in s.log("main")] == ids[::-1]
     assert [v.step for v in s.log("main~2")] == [2, 1, 0]

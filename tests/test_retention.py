@@ -14,8 +14,8 @@ import torch
 from helpers import states
 
 from datastates import PrunedError, Store, Version
-from datastates.files import write_new
-from datastates.gc import add_parsers, retention_from_args, run
+from datastates.base.files import write_new
+from datastates.cli.maintenance import add_parsers, retention_from_args, run
 from datastates.retention import (
     KeepBest,
     KeepBranchHeads,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import datastates as ds
-from datastates import files
+from datastates.base import files
 
 HELPER = Path(__file__).parent / "helpers" / "tiered_saver.py"
 MiB = 1 << 20
@@ -204,7 +204,7 @@ def test_disk_full_on_hot_fails_cleanly_and_recovers(tmp_path: Path, monkeypatch
                     raise OSError(errno.ENOSPC, "No space left on device")
                 return real(fd, data)
 
-            monkeypatch.setattr("datastates.packs.write_all", failing)
+            monkeypatch.setattr("datastates.objects.packs.write_all", failing)
         with pytest.raises(ds.StorageFullError) as err:
             s.save({"w": torch.randn(2 * MiB)}, step=2)  # 8 MiB: does not fit
         assert err.value.errno == errno.ENOSPC

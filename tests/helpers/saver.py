@@ -76,7 +76,8 @@ CRASH_POINTS = ("pack_add", "pack_seal", "manifest", "record", "catalog", "reflo
 
 def crashat(store_path: str, point: str, seed: str) -> None:
     """Save step 0, then die (os._exit(137), like kill -9) at `point` inside the save of step 1."""
-    from datastates import packs, refs
+    from datastates.meta import refs
+    from datastates.objects import packs
 
     store = ds.Store.open(store_path)
     v = store.save(crash_state(int(seed), 0), branch="main", step=0)
@@ -140,7 +141,7 @@ def commitfail(store_path: str, mode: str) -> None:
         def eio(*args: object, **kw: object) -> None:
             raise OSError(errno.EIO, "input/output error (injected by the test)")
 
-        store.tier.refs.set_if_equals = eio  # type: ignore[method-assign]
+        store.refs.set_if_equals = eio  # type: ignore[method-assign]
         following = failing
     else:
         raise ValueError(mode)
@@ -162,7 +163,7 @@ def commitfail(store_path: str, mode: str) -> None:
     if mode == "enospc":
         del store.tier.write_manifest  # the disk has space again
     if mode == "refmove":
-        del store.tier.refs.set_if_equals
+        del store.refs.set_if_equals
     for _ in range(2):
         vid = attempt("NEXT", following, "other" if mode == "refmove" else "main")
         if vid:

@@ -1,0 +1,7 @@
+"""`python -m datastates` works like the `datastates` script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

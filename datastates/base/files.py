@@ -1,0 +1,203 @@
+"""Durable file operations: every file the store writes goes through here.
+
+Guarantee: a file written by `write_new` or `replace` is either absent (or
+unchanged) or complete and fsync'd, including its directory entry, whatever
+instant the process dies at.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import socket
+import time
+from pathlib import Path
+from typing import Any, NoReturn
+
+from ..errors import StorageFullError
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Serialize `obj` to the one byte string used for hashing (sorted keys, no spaces)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the directory entries of `path` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_all(fd: int, data: memoryview | bytes) -> int:
+    """Write every byte of `data` to `fd` (os.write may write less); return the count."""
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:])
+    return done
+
+
+_HOST = socket.gethostname().replace(".", "_")
+
+
+def _tmp_path(final: Path) -> Path:
+    # Host and pid in the name let fsck tell a dead writer's debris from a live one's work.
+    # The final name is cut so a 255-byte name still leaves room for the suffix (NAME_MAX is 255).
+    short = final.name.encode()[:120].decode(errors="ignore")  # bytes, not characters, count for NAME_MAX
+    return final.with_name(f".{short}.{_HOST[:60]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+HOST = _HOST
+"""This host's name as written into temp file names and lock files (dots replaced)."""
+
+
+def process_alive(host: str, pid: int) -> bool | None:
+    """Whether process `pid` of `host` runs; None when that cannot be told from here (another host)."""
+    if host != _HOST or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def tmp_is_stale(path: Path, max_age_s: float = 3600.0) -> bool:
+    """True if a temp file's writer is dead (same host, pid gone) or it is older than `max_age_s`."""
+    parts = path.name.split(".")
+    try:
+        host, pid = parts[-4], int(parts[-3])
+    except (IndexError, ValueError):
+        host, pid = "", -1
+    alive = process_alive(host, pid)
+    if alive is not None:
+        return not alive
+    try:
+        return time.time() - path.stat().st_mtime > max_age_s
+    except FileNotFoundError:
+        return False
+
+
+def make_dirs(path: Path) -> None:
+    """Create `path` and parents, fsyncing each new directory's entry in its parent."""
+    if path.is_dir():
+        return
+    make_dirs(path.parent)
+    try:
+        path.mkdir()
+    except FileExistsError:
+        return
+    fsync_dir(path.parent)
+
+
+def _write_tmp(final: Path, data: bytes) -> Path:
+    make_dirs(final.parent)
+    tmp = _tmp_path(final)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise_full_or(exc, final)
+    return tmp
+
+
+def raise_full_or(exc: OSError, path: Path) -> NoReturn:
+    """Re-raise `exc`, as StorageFullError naming `path` when the disk or quota is full."""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise StorageFullError(
+            errno.ENOSPC, f"no space left while writing {path}; free space or raise the quota, then retry"
+        ) from exc
+    raise exc
+
+
+def write_new(final: Path, data: bytes) -> bool:
+    """Write an immutable file; never replaces an existing one.
+
+    Returns False when `final` already existed (content-addressed files with
+    the same name hold the same bytes). Uses link+unlink so a rename can never
+    silently replace a file.
+    """
+    if final.exists():
+        return False
+    tmp = _write_tmp(final, data)
+    try:
+        os.link(tmp, final)
+        created = True
+    except FileExistsError:
+        created = False
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(final.parent)
+    return created
+
+
+def replace(final: Path, data: bytes) -> None:
+    """Atomically replace (or create) a small mutable file such as a ref."""
+    tmp = _write_tmp(final, data)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+
+
+def append_line(path: Path, line: bytes) -> None:
+    """Append one line durably (used for logs that are never rewritten)."""
+    make_dirs(path.parent)
+    new = not path.exists()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        write_all(fd, line + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if new:
+        fsync_dir(path.parent)
+
+
+def copy_file(src: Path, dst: Path, *, overwrite: bool = False) -> bool:
+    """Copy `src` durably to `dst` (temp + fsync + link, or rename with `overwrite`).
+
+    Returns False if `dst` existed and `overwrite` is False. A crash leaves at
+    most a `.tmp` file behind, never a partial `dst`.
+    """
+    if dst.exists() and not overwrite:
+        return False
+    make_dirs(dst.parent)
+    tmp = _tmp_path(dst)
+    try:
+        with open(src, "rb") as fin, open(tmp, "xb") as fout:
+            size = os.fstat(fin.fileno()).st_size
+            done = 0
+            while done < size:
+                n = os.copy_file_range(fin.fileno(), fout.fileno(), size - done) if hasattr(
+                    os, "copy_file_range") else 0
+                if n <= 0:
+                    fout.write(fin.read())  # file systems without copy_file_range
+                    break
+                done += n
+            fout.flush()
+            os.fsync(fout.fileno())
+        if overwrite:
+            os.replace(tmp, dst)
+        else:
+            try:
+                os.link(tmp, dst)
+            except FileExistsError:
+                return False
+            finally:
+                tmp.unlink(missing_ok=True)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise_full_or(exc, dst)
+    fsync_dir(dst.parent)
+    return True

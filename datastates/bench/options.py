@@ -1,0 +1,212 @@
+"""Options of `datastates bench`, what a run measures (Config, Results) and the targets it checks."""
+
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+
+    pass
+
+
+
+SKIPPABLE = ("torch", "safetensors", "dcp", "train")
+"""Groups `--skip` accepts. datastates itself and the plain copy (the floor) always run."""
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+METHOD_LABELS: dict[str, str] = {
+    "plain_copy": "plain copy into reused buffers (floor)",
+    "ds_save": "datastates save (sync, durable)",
+    "ds_async_blocking": "datastates save_async: blocking part",
+    "ds_async_durable": "datastates save_async: to durable",
+    "ds_partial_save": "datastates save, {changed} of tensors changed",
+    "ds_load": "datastates load (full)",
+    "ds_load100_full": "datastates load, 100-tensor state (full)",
+    "ds_load100_one": "datastates load, 1 tensor of 100",
+    "torch_save_fsync": "torch.save + fsync",
+    "torch_load": "torch.load",
+    "torch_load_mmap": "torch.load(mmap=True)",
+    "safetensors_save_fsync": "safetensors save_file + fsync",
+    "safetensors_load": "safetensors load_file",
+    "dcp_save_t1": "DCP save, thread_count=1",
+    "dcp_save_t2": "DCP save, thread_count=2",
+    "dcp_load": "DCP load (into new tensors)",
+    "dcp_async_blocking": "DCP async_save: blocking part",
+    "dcp_async_done": "DCP async_save: to completion",
+    "dcp_async_cached_blocking": "DCP async_save, reused stager: blocking",
+    "dcp_async_cached_done": "DCP async_save, reused stager: completion",
+}
+"""Every method key a full run reports, in print order; the JSON uses these keys."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '1GiB', '256MiB', '64M', '1e9' or a plain integer. Raises ValueError."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"size {text!r} is not understood; write e.g. 1GiB, 256MiB, 64M or a byte count")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"size {text!r} must be positive")
+    return n
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(sub: Any) -> None:
+    """Register `datastates bench` and its options on the CLI's subparsers."""
+    p = sub.add_parser("bench", help="measure save/load against torch.save, safetensors and DCP",
+                       description="Save and load one state with datastates, torch.save, safetensors and "
+                                   "torch.distributed.checkpoint, interleaved; print medians, ratios and targets.")
+    p.add_argument("--size", type=_size_arg, default=None, help="total state bytes, e.g. 1GiB, 256MiB (default 1GiB)")
+    p.add_argument("--tensors", type=int, default=32, help="number of tensors in the state (default 32)")
+    p.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 5)")
+    p.add_argument("--unchanged", type=float, default=0.9,
+                   help="fraction of tensors left unchanged for the partial save (default 0.9)")
+    # dest differs from the global --store (which defaults to $DATASTATES_STORE): the bench must never
+    # write into, or delete from, a user's real store.
+    p.add_argument("--store", dest="bench_dir", default=None, metavar="DIR",
+                   help="directory for every file of the run (a fresh subdirectory is made there and removed); "
+                        "default: the current directory. Avoid tmpfs: it measures memory, not a disk")
+    p.add_argument("--quick", action="store_true", help="64MiB, 2 repeats, 1 s training windows (for tests)")
+    p.add_argument("--json-out", default=None, metavar="PATH", help="write the results as JSON ('-' = stdout)")
+    p.add_argument("--skip", default="", help=f"comma-separated groups to leave out: {','.join(SKIPPABLE)}")
+    p.add_argument("--chunk-size", type=_size_arg, default=None,
+                   help="datastates chunk size, e.g. 1MiB, 4MiB, 16MiB (default: the store default, 16MiB)")
+    p.add_argument("--zstd", type=int, default=0, metavar="LEVEL", help="datastates zstd level (default 0 = off)")
+    p.add_argument("--reuse-unchanged", action="store_true",
+                   help="open the store with reuse_unchanged=True (skip tensors torch's version counter says are "
+                        "untouched since the last save)")
+    p.add_argument("--window", type=float, default=None,
+                   help="minimum seconds per training window (default: the slowest background save, >= 1 s); "
+                        "a window always lasts until its save is complete")
+
+
+# --- configuration and results ---------------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    """What to run; `config_from_args` builds it from the command line."""
+
+    size: int = 1 << 30
+    tensors: int = 32
+    repeats: int = 5
+    unchanged: float = 0.9
+    bench_dir: str | None = None
+    quick: bool = False
+    skip: frozenset[str] = frozenset()
+    chunk_size: int | None = None
+    zstd: int = 0
+    reuse_unchanged: bool = False
+    window: float | None = None
+
+
+@dataclass
+class Results:
+    """Per method: the timed samples (seconds), the bytes each moved, and other processes' CPU share."""
+
+    samples: dict[str, list[float]] = field(default_factory=dict)
+    others: dict[str, list[float]] = field(default_factory=dict)
+    nbytes: dict[str, int] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, key: str, seconds: float, nbytes: int, others: float) -> None:
+        self.samples.setdefault(key, []).append(seconds)
+        self.others.setdefault(key, []).append(others)
+        self.nbytes[key] = nbytes
+
+    def median(self, key: str) -> float | None:
+        s = self.samples.get(key)
+        return statistics.median(s) if s else None
+
+
+@dataclass(frozen=True)
+class Target:
+    key: str
+    label: str
+    num: str
+    den: str
+    op: str  # "<=" or ">="
+    target: float
+
+
+TARGETS = (
+    Target("blocking_vs_copy", "save_async blocking / plain copy", "ds_async_blocking", "plain_copy", "<=", 1.3),
+    Target("blocking_vs_dcp_async", "save_async blocking / DCP async_save blocking", "ds_async_blocking",
+           "dcp_async_blocking", "<=", 0.25),
+    Target("torch_save_vs_ds", "torch.save+fsync / datastates save", "torch_save_fsync", "ds_save", ">=", 2.0),
+    Target("dcp_t2_vs_ds", "DCP save (2 threads) / datastates save", "dcp_save_t2", "ds_save", ">=", 1.3),
+    Target("partial_bytes", "partial save: bytes written / full bytes", "", "", "<=", 0.12),
+    Target("partial_time", "partial save time / full save time", "ds_partial_save", "ds_save", "<=", 0.2),
+    Target("torch_load_vs_ds", "torch.load / datastates load", "torch_load", "ds_load", ">=", 1.2),
+    Target("one_of_100", "load 1 tensor of 100 / full load", "ds_load100_one", "ds_load100_full", "<=", 0.05),
+    Target("train_lost_vs_dcp", "training steps lost: datastates / DCP", "", "", "<=", 0.5),
+)
+
+# Informational ratios (no target): the same comparisons seen from other angles.
+INFO_RATIOS = (
+    ("blocking_vs_dcp_async_cached", "save_async blocking / DCP async (reused stager)", "ds_async_blocking",
+     "dcp_async_cached_blocking"),
+    ("async_durable_vs_sync", "save_async to durable / sync save", "ds_async_durable", "ds_save"),
+    ("dcp_t1_vs_ds", "DCP save (1 thread) / datastates save", "dcp_save_t1", "ds_save"),
+    ("safetensors_save_vs_ds", "safetensors save+fsync / datastates save", "safetensors_save_fsync", "ds_save"),
+    ("torch_load_mmap_vs_ds", "torch.load(mmap) / datastates load", "torch_load_mmap", "ds_load"),
+    ("safetensors_load_vs_ds", "safetensors load / datastates load", "safetensors_load", "ds_load"),
+    ("dcp_load_vs_ds", "DCP load / datastates load", "dcp_load", "ds_load"),
+)
+
+
+def command_line(cfg: Config) -> str:
+    """The `datastates bench` command that reproduces `cfg` (written into the report)."""
+    parts = ["datastates bench"]
+    if cfg.quick:
+        parts.append("--quick")
+    parts += [f"--size {cfg.size}", f"--tensors {cfg.tensors}", f"--repeats {cfg.repeats}",
+              f"--unchanged {cfg.unchanged:g}"]
+    if cfg.chunk_size:
+        parts.append(f"--chunk-size {cfg.chunk_size}")
+    if cfg.zstd:
+        parts.append(f"--zstd {cfg.zstd}")
+    if cfg.skip:
+        parts.append(f"--skip {','.join(sorted(cfg.skip))}")
+    if cfg.window is not None:
+        parts.append(f"--window {cfg.window:g}")
+    return " ".join(parts)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """A Config from parsed CLI arguments; raises ValueError naming a bad option."""
+    skip = frozenset(s.strip() for s in (args.skip or "").split(",") if s.strip())
+    bad = skip - set(SKIPPABLE)
+    if bad:
+        raise ValueError(f"--skip {','.join(sorted(bad))}: unknown; choose from {','.join(SKIPPABLE)}")
+    if not 0.0 <= args.unchanged <= 1.0:
+        raise ValueError(f"--unchanged {args.unchanged} must be between 0 and 1")
+    if args.tensors < 1:
+        raise ValueError("--tensors must be at least 1")
+    if args.zstd < 0 or args.zstd > 22:
+        raise ValueError(f"--zstd {args.zstd} must be 0 (off) or a zstd level 1..22")
+    if args.chunk_size is not None and args.chunk_size % 64:
+        raise ValueError(f"--chunk-size {args.chunk_size} must be a multiple of 64 bytes")
+    quick = bool(args.quick)
+    repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
+    if repeats < 1:
+        raise ValueError("--repeats must be at least 1")
+    return Config(size=args.size or ((64 << 20) if quick else (1 << 30)), tensors=args.tensors, repeats=repeats,
+                  unchanged=args.unchanged, bench_dir=args.bench_dir, quick=quick, skip=skip,
+                  chunk_size=args.chunk_size, zstd=args.zstd, reuse_unchanged=args.reuse_unchanged,
+                  window=args.window if args.window is not None else (1.0 if quick else None))
+
+

@@ -1,0 +1,306 @@
+"""The run: every method interleaved inside each repeat, after the same warm-up."""
+
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+
+    from ..meta.versions import Version
+    from ..store import Store
+
+from .options import Config, Results
+from .peers import (
+    CpuMeter,
+    Dcp,
+    Trainer,
+    Warmup,
+    _check_equal,
+    _drop_cache,
+    _fs_type,
+    _is_done,
+    _load_and_touch,
+    _mutate,
+    _nbytes,
+    _remove,
+    _result,
+    _safetensors_save,
+    _torch_save,
+    make_state,
+)
+from .report import _report
+
+# --- the run -------------------------------------------------------------------------------------------------
+
+
+def _log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Run the benchmark; return the JSON-ready report. Every file it writes is removed before it returns.
+
+    Raises SystemExit (with a message) when the directory lacks the disk space the run needs.
+    """
+    parent = Path(cfg.bench_dir or os.getcwd()).expanduser()
+    parent.mkdir(parents=True, exist_ok=True)
+    fs = _fs_type(parent)
+    if fs in ("tmpfs", "ramfs"):
+        _log(f"WARNING: {parent} is on {fs}: writes measure memory, not a disk; pass --store on a real disk")
+    # The datastates store keeps every version until the end: ~2.1 states per repeat plus the first ones.
+    need = cfg.size * (2 * cfg.repeats + 5)
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise SystemExit(f"datastates bench: {parent} has {free / 2**30:.1f} GiB free; this run needs about "
+                         f"{need / 2**30:.1f} GiB (lower --size or --repeats, or pick another --store)")
+    root = Path(tempfile.mkdtemp(prefix=".datastates-bench-", dir=parent))
+    res = Results()
+    t_start = time.time()
+    try:
+        with warnings.catch_warnings():
+            # DCP warns at every call that it runs without a process group, partly from its own threads.
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            _Bench(cfg, root, res, fs).run()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return _report(cfg, res, fs, parent, t_start)
+
+
+class _Bench:
+    """One run: the states, the store, the warm-up, and one method per group of measured steps."""
+
+    def __init__(self, cfg: Config, root: Path, res: Results, fs: str) -> None:
+        import torch
+
+        self.cfg, self.root, self.res = cfg, root, res
+        _log(f"state: {cfg.size / 2**20:.0f} MiB in {cfg.tensors} fp32 tensors; {cfg.repeats} repeats; "
+             f"files in {root} ({fs})")
+        self.state = make_state(cfg.size, cfg.tensors, seed=0)
+        self.state100 = make_state(cfg.size, 100, seed=1)
+        self.size, self.size100 = _nbytes(self.state), _nbytes(self.state100)
+        res.extra["bytes"] = self.size
+        self.keys = list(self.state)
+        self.n_changed = max(1, round(len(self.keys) * (1 - cfg.unchanged))) if cfg.unchanged < 1 else 0
+        self.cpu = CpuMeter()
+        self.warm = Warmup(self.state)
+        self.copy_bufs = {k: torch.empty_like(v) for k, v in self.state.items()}
+        self.plain_copy()  # first use touches new pages: untimed
+        self.full_saves: list[dict[str, float]] = []
+        self.partial: list[dict[str, int]] = []
+
+    # timing ----------------------------------------------------------------------------------------------
+    def plain_copy(self) -> None:
+        for k, v in self.state.items():
+            self.copy_bufs[k].copy_(v)
+
+    def timed(self, key: str, nbytes: int, buffers: Sequence[Any], fn: Callable[..., Any], *args: Any,
+              **kw: Any) -> Any:
+        """Warm up (touching `buffers`), then time `fn(*args, **kw)` as one sample of `key`; return its result."""
+        self.warm(buffers)
+        snap = self.cpu.snap()
+        out = fn(*args, **kw)
+        self.res.add(key, time.perf_counter() - snap[0], nbytes, self.cpu.others(snap))
+        return out
+
+    def timed_load(self, key: str, nbytes: int, files: Path, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """A cold load: drop `files` from the page cache, then time the load plus one read per page of its result."""
+        _drop_cache([files])
+        return self.timed(key, nbytes, (), _load_and_touch, fn, *args, **kw)
+
+    def timed_async(self, blocking_key: str, end_key: str, buffers: Sequence[Any], start: Callable[[], Any],
+                    wait: Callable[[Any], Any]) -> Any:
+        """Warm up, then time `start()` as `blocking_key` and through `wait(token)` as `end_key`; return the
+        result of `wait`."""
+        self.warm(buffers)
+        snap = self.cpu.snap()
+        token = start()
+        t1 = time.perf_counter()
+        out = wait(token)
+        t2 = time.perf_counter()
+        others = self.cpu.others(snap)
+        self.res.add(blocking_key, t1 - snap[0], self.size, others)
+        self.res.add(end_key, t2 - snap[0], self.size, others)
+        return out
+
+    # the run ---------------------------------------------------------------------------------------------
+    def run(self) -> None:
+        from ..store import Store
+
+        cfg = self.cfg
+        store = Store.open(self.root / "ds", pool_bytes=2 * self.size, chunk_size=cfg.chunk_size,
+                           zstd_level=cfg.zstd, reuse_unchanged=cfg.reuse_unchanged)
+        dcp = Dcp() if "dcp" not in cfg.skip else None
+        try:
+            _log("warming the datastates buffer pool (one untimed save) and saving the 100-tensor state")
+            store.save(self.state, branch="main", message="warm-up")
+            v100 = store.save(self.state100, branch="bench100", message="100 tensors")
+            if dcp is not None:
+                _mutate(self.state)
+                dcp.async_save(self.state, self.root / "dcp-warm", cached=True).result()  # first staging allocates
+                _remove(self.root / "dcp-warm")
+            for r in range(cfg.repeats):
+                _log(f"repeat {r + 1}/{cfg.repeats}")
+                self.timed("plain_copy", self.size, list(self.copy_bufs.values()), self.plain_copy)
+                self.datastates(store, r)
+                self.load100(store, v100, r)
+                if "torch" not in cfg.skip:
+                    self.torch_save_load(r)
+                if "safetensors" not in cfg.skip:
+                    self.safetensors_save_load(r)
+                if dcp is not None:
+                    self.dcp(dcp, r)
+            self.res.extra["full_saves"] = self.full_saves
+            self.res.extra["partial"] = self.partial
+            if "train" not in cfg.skip:
+                self.res.extra["training"] = self.training(store, dcp)
+        finally:
+            if dcp is not None:
+                dcp.close()
+            store.close()
+
+    def _pool(self, store: Store) -> list[Any]:
+        # The free slots of datastates' buffer pool: its reusable buffers, touched by the warm-up like
+        # every method's own. (A private attribute: the bench reads it, never changes the pool.)
+        return list(getattr(store.pool, "_free", []))
+
+    def _full_save(self, v: Version, store: Store) -> None:
+        from ..objects.chunks import spans
+
+        chunks = sum(len(spans(t.numel() * t.element_size(), store.chunk_size)) for t in self.state.values())
+        self.full_saves.append({"chunks_new": v.chunks_new, "chunks": chunks, "bytes_new": v.bytes_new,
+                                "bytes_total": v.bytes_total, **{f"t_{k}": float(x) for k, x in v.timings.items()}})
+
+    def datastates(self, store: Store, r: int) -> None:
+        """Full sync save, full async save, partial save, then a cold full load of the latest version."""
+        state, size = self.state, self.size
+        _mutate(state)
+        v = self.timed("ds_save", size, self._pool(store), store.save, state, branch="main")
+        self._full_save(v, store)
+        _mutate(state)
+        v = self.timed_async("ds_async_blocking", "ds_async_durable", self._pool(store),
+                             partial(store.save_async, state, branch="main"), _result)
+        self._full_save(v, store)
+        # A different set of tensors changes each repeat, as different layers would in training.
+        changed = [self.keys[(r * self.n_changed + i) % len(self.keys)] for i in range(self.n_changed)]
+        _mutate(state, changed)
+        v = self.timed("ds_partial_save", size, self._pool(store), store.save, state, branch="main",
+                       message="partial")
+        self.partial.append({"bytes_new": v.bytes_new, "bytes_total": v.bytes_total,
+                             "tensors_changed": self.n_changed, "chunks_new": v.chunks_new})
+        # The latest version, what a restart loads: most of its chunks sit in earlier packs.
+        out = self.timed_load("ds_load", size, self.root / "ds", store.load, v)
+        if r == 0:
+            _check_equal(out, state, "datastates load")
+
+    def load100(self, store: Store, v100: Version, r: int) -> None:
+        """Cold full load of the 100-tensor state, then of one of its tensors (a different one each repeat)."""
+        self.timed_load("ds_load100_full", self.size100, self.root / "ds", store.load, v100)
+        one = list(self.state100)[(r * 37) % 100]
+        out = self.timed_load("ds_load100_one", self.state100[one].numel() * 4, self.root / "ds", store.load, v100,
+                              keys=[one])
+        if r == 0:
+            _check_equal(out, {one: self.state100[one]}, "datastates partial load")
+
+    def torch_save_load(self, r: int) -> None:
+        import torch
+
+        path = self.root / "state.pt"
+        _mutate(self.state)
+        self.timed("torch_save_fsync", self.size, (), _torch_save, self.state, path)
+        out = self.timed_load("torch_load", self.size, path, torch.load, path, weights_only=True)
+        if r == 0:
+            _check_equal(out, self.state, "torch.load")
+        del out
+        self.timed_load("torch_load_mmap", self.size, path, torch.load, path, weights_only=True, mmap=True)
+        _remove(path)
+
+    def safetensors_save_load(self, r: int) -> None:
+        from safetensors.torch import load_file
+
+        path = self.root / "state.safetensors"
+        _mutate(self.state)
+        self.timed("safetensors_save_fsync", self.size, (), _safetensors_save, self.state, path)
+        out = self.timed_load("safetensors_load", self.size, path, load_file, str(path))
+        if r == 0:
+            _check_equal(out, self.state, "safetensors load_file")
+        del out
+        _remove(path)
+
+    def dcp(self, dcp: Dcp, r: int) -> None:
+        path = self.root / "dcp"
+        for threads in (1, 2):
+            _mutate(self.state)
+            self.timed(f"dcp_save_t{threads}", self.size, (), dcp.save, self.state, path, threads)
+            if threads == 1:
+                _remove(path)
+        out = self.timed_load("dcp_load", self.size, path, dcp.load, self.state, path)
+        if r == 0:
+            _check_equal(out, self.state, "DCP load")
+        del out
+        _remove(path)
+        for cached in (False, True):
+            name = "dcp_async_cached" if cached else "dcp_async"
+            _mutate(self.state)
+            self.timed_async(f"{name}_blocking", f"{name}_done", dcp.buffers() if cached else [],
+                             partial(dcp.async_save, self.state, path, cached), _result)
+            _remove(path)
+
+    # training interference ---------------------------------------------------------------------------------
+    def training(self, store: Store, dcp: Dcp | None) -> dict[str, Any]:
+        """Steps a training loop loses while one background save runs, against a window without a save.
+
+        Each window lasts at least the minimum and until its save is complete; steps lost =
+        (steps per second in the same repeat's baseline window) x (window seconds) - steps done.
+        """
+        cfg, state = self.cfg, self.state
+        trainer = Trainer()
+        slowest = max((m for m in (self.res.median("ds_async_durable"), self.res.median("dcp_async_done")) if m),
+                      default=1.0)
+        min_s = cfg.window or max(1.0, slowest)
+        _log(f"training interference: step {trainer.step_s * 1e3:.1f} ms (batch {trainer.batch}), windows of "
+             f">= {min_s:.1f} s")
+        names = ["datastates"] + (["dcp"] if dcp is not None else [])
+        windows: dict[str, list[dict[str, float]]] = {n: [] for n in ["baseline", *names]}
+        lost: dict[str, list[float]] = {n: [] for n in names}
+        for r in range(cfg.repeats):
+            _log(f"training repeat {r + 1}/{cfg.repeats}")
+            for name in ["baseline", *names]:
+                path = self.root / "dcp-train"
+                start: Callable[[], Any] | None = None
+                if name == "datastates":
+                    start = partial(store.save_async, state, branch="main", message="train")
+                elif name == "dcp" and dcp is not None:
+                    start = partial(dcp.async_save, state, path, False)
+                if start is not None:
+                    _mutate(state)
+                gc.collect()
+                snap = self.cpu.snap()
+                steps, secs, token = trainer.window(min_s, start, _is_done)
+                others = self.cpu.others(snap)
+                complete = _is_done(token)  # False only if the save outlasted the window's 120 s cap
+                if token is not None:
+                    token.result()
+                _remove(path)
+                windows[name].append({"steps": steps, "seconds": secs, "others_cpu": others, "complete": complete})
+            base = windows["baseline"][-1]
+            rate = base["steps"] / base["seconds"]
+            for name in names:
+                w = windows[name][-1]
+                lost[name].append(rate * w["seconds"] - w["steps"])
+        return {"step_ms": trainer.step_s * 1e3, "batch": trainer.batch, "width": trainer.width,
+                "min_window_s": min_s, "windows": windows, "steps_lost_samples": lost,
+                "steps_lost": {n: statistics.median(v) for n, v in lost.items()}}
+
+

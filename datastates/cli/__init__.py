@@ -1,0 +1,67 @@
+"""The `datastates` command line. The store comes from --store PATH or $DATASTATES_STORE.
+
+One module per command group; each has `register(sub)`, which adds its subcommands with
+`handler(store, args) -> int` (run on the opened store) or `standalone(args) -> int` (opens
+nothing: demo, bench, serve).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ..errors import DataStatesError
+from ..store import Store
+from . import inspect, maintenance, programs, refs, tiers
+
+GROUPS = (maintenance, inspect, refs, tiers, programs)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="datastates", description="A versioned model-state store for PyTorch.")
+    p.add_argument("--store", default=os.environ.get("DATASTATES_STORE"),
+                   help="store directory (default: $DATASTATES_STORE)")
+    sub = p.add_subparsers(dest="command", required=True)
+    add = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        # `datastates log --store PATH` works as well as `datastates --store PATH log`.
+        s = add(name, **kw)
+        if name != "bench":  # bench's --store is its scratch directory, never a user's store
+            s.add_argument("--store", default=argparse.SUPPRESS, help="store directory (default: $DATASTATES_STORE)")
+        return s
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
+    for group in GROUPS:
+        group.register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (1 and a one-line message for a DataStates error)."""
+    if hasattr(signal, "SIGPIPE"):
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `datastates log | head` ends quietly
+    args = build_parser().parse_args(argv)
+    standalone = getattr(args, "standalone", None)
+    if standalone is not None:
+        return int(standalone(args))
+    if not args.store:
+        print("datastates: no store given; pass --store PATH or set DATASTATES_STORE", file=sys.stderr)
+        return 2
+    try:
+        store = Store.open(args.store, create=getattr(args, "creates", False))
+        try:
+            return int(args.handler(store, args))
+        finally:
+            store.close()
+    except DataStatesError as exc:
+        print(f"datastates: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

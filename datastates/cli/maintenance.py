@@ -1,0 +1,185 @@
+"""Commands that check and reclaim: init, fsck, prune, gc."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ..base.config import human_bytes
+from ..maintenance.gc import COLD_GRACE_S
+from ..maintenance.retention import Retention
+from ..store import Store
+from .output import print_json
+
+
+def register(sub: Any) -> None:
+    s = sub.add_parser("init", help="create a store")
+    s.set_defaults(handler=_init, creates=True)
+    s = sub.add_parser("fsck", help="verify every chunk, manifest, record and ref")
+    s.add_argument("--repair", action="store_true", help="remove leftovers of interrupted saves")
+    s.add_argument("--rebuild", action="store_true", help="rebuild the catalog from the files")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(handler=_fsck)
+    _add_gc_prune(sub)
+
+
+def _init(store: Store, args: argparse.Namespace) -> int:
+    print(f"store ready at {store.path}")
+    return 0
+
+
+def _fsck(store: Store, args: argparse.Namespace) -> int:
+    rep = store.fsck(repair=args.repair, rebuild=args.rebuild)
+    if args.json:
+        print_json(rep.to_dict())
+    else:
+        for line in rep.repaired:
+            print(f"repaired: {line}")
+        for line in rep.problems:
+            print(f"problem:  {line}")
+        for line in rep.notes:
+            print(f"note:     {line}")
+        counts = ", ".join(f"{n} {k}" for k, n in rep.checked.items())
+        print(f"{'ok' if rep.ok else 'NOT OK'}: checked {counts}")
+    return 0 if rep.ok else 1
+
+
+"""The subcommands `add_parsers` adds; `run` handles both."""
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
+    return n
+
+
+def _best(text: str) -> tuple[int, str, str]:
+    parts = text.split(":")
+    if len(parts) > 3 or not parts[0]:
+        raise argparse.ArgumentTypeError(f"{text!r}: give N, N:METRIC or N:METRIC:min|max")
+    n = _count(parts[0])
+    metric = parts[1] if len(parts) > 1 and parts[1] else "metrics.val_loss"
+    mode = parts[2] if len(parts) > 2 else "min"
+    if mode not in ("min", "max"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the mode must be min or max, not {mode!r}")
+    return n, metric, mode
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _threshold(text: str) -> float:
+    f = _number(text)
+    if not 0.0 <= f <= 1.0:
+        raise argparse.ArgumentTypeError(f"{f} must be between 0 and 1")
+    return f
+
+
+def _seconds(text: str) -> float:
+    f = _number(text)
+    if not f >= 0.0:
+        raise argparse.ArgumentTypeError(f"{f} must be 0 or more seconds")
+    return f
+
+
+def _add_gc_prune(sub: Any) -> None:
+    s = sub.add_parser("gc", help="free the bytes of pruned versions: delete dead packs, repack sparse ones")
+    s.add_argument("--dry-run", action="store_true", help="say what would be freed; change nothing")
+    s.add_argument("--repack-threshold", type=_threshold, default=0.5, metavar="F",
+                   help="repack a pack whose live bytes are under this share of its bytes (default 0.5)")
+    s.add_argument("--cold-grace", type=_seconds, default=COLD_GRACE_S, metavar="SECONDS",
+                   help=f"leave cold packs younger than this alone (default {COLD_GRACE_S:.0f})")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(handler=_run_gc)
+    s = sub.add_parser("prune", help="mark versions pruned unless a --keep rule (or a tag, or a branch head) keeps "
+                                     "them; `gc` then frees their bytes")
+    s.add_argument("--keep-latest", type=_count, metavar="N", help="keep the N newest versions of each branch")
+    s.add_argument("--keep-best", type=_best, action="append", default=[], metavar="N[:METRIC[:min|max]]",
+                   help="keep the N best by a metric (default metrics.val_loss, min); repeatable")
+    s.add_argument("--keep-every", type=_count, metavar="N", help="keep versions whose step is a multiple of N")
+    s.add_argument("--dry-run", action="store_true", help="list what would be pruned; change nothing")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(handler=_run_prune)
+
+
+def retention_from_args(args: argparse.Namespace) -> Retention | None:
+    """The Retention the `prune` arguments describe, or None when they name no --keep rule."""
+    from ..maintenance.retention import KeepBest, KeepEvery, KeepLatest, Policy, Retention
+
+    policies: list[Policy] = []
+    if args.keep_latest is not None:
+        policies.append(KeepLatest(args.keep_latest))
+    for n, metric, mode in args.keep_best:
+        policies.append(KeepBest(n, metric, mode))
+    if args.keep_every is not None:
+        if args.keep_every < 1:
+            raise argparse.ArgumentTypeError("--keep-every must be 1 or more")
+        policies.append(KeepEvery(args.keep_every))
+    return Retention(*policies) if policies else None
+
+
+def _run_gc(store: Store, args: argparse.Namespace) -> int:
+    rep = store.gc(dry_run=args.dry_run, repack_threshold=args.repack_threshold, cold_grace_s=args.cold_grace)
+    if args.json:
+        print(json.dumps(rep.to_dict() | {"total_freed": rep.total_freed}, indent=2, sort_keys=True))
+        return 0
+    d = rep.dry_run
+    per_tier = ", ".join(f"{t}: {human_bytes(b)}" for t, b in rep.bytes_freed.items())
+    print(f"{'dry run: would delete' if d else 'deleted'} {len(rep.packs_deleted)} dead pack(s), "
+          f"{'would repack' if d else 'repacked'} {len(rep.packs_repacked)} sparse pack(s) into {rep.packs_written}, "
+          f"{'would remove' if d else 'removed'} {rep.manifests_deleted} manifest(s) of pruned versions")
+    print(f"{'would free' if d else 'freed'} {human_bytes(rep.total_freed)} ({per_tier}); "
+          f"{rep.chunks_live} live chunk(s)")
+    for line in rep.skipped:
+        print(f"skipped: {line}")
+    return 0
+
+
+def _run_prune(store: Store, args: argparse.Namespace) -> int:
+    try:
+        retention = retention_from_args(args)
+    except argparse.ArgumentTypeError as exc:
+        print(f"datastates prune: {exc}", file=sys.stderr)
+        return 2
+    if retention is None:
+        print("datastates prune: give at least one of --keep-latest, --keep-best, --keep-every "
+              "(tagged versions and branch heads are always kept)", file=sys.stderr)
+        return 2
+    result = store.prune(retention, dry_run=args.dry_run)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, sort_keys=True))
+        return 0
+    would = "would prune" if result.dry_run else "pruned"
+    rows = []
+    for vid in result.prune:
+        v = store.version(vid)
+        rows.append((v.created, v.short, v.step, v.branch))
+    for _, short, step, branch in sorted(rows):
+        print(f"{'would prune' if result.dry_run else 'pruned'} {short}  step={step}  branch={branch}")
+    print(f"{'dry run: ' if result.dry_run else ''}{would} {len(result.prune)} version(s), keeping "
+          f"{len(result.keep)} ({len(result.protected)} of them tagged, branch heads or protected); "
+          f"{len(result.already_pruned)} pruned before")
+    tail = "after `datastates gc`" if not result.dry_run else "once pruned and collected"
+    print(f"{human_bytes(result.bytes_freed)} can be freed {tail}")
+    return 0
+
+
+
+def add_parsers(sub: Any) -> None:
+    """Add only `gc` and `prune` to an argparse subparsers object (for programs embedding them; see `run`)."""
+    _add_gc_prune(sub)
+
+
+def run(store: Store, args: argparse.Namespace) -> int:
+    """Run the command `args` was parsed for (by `add_parsers` or the CLI) on `store`; the exit status."""
+    return int(args.handler(store, args))

@@ -1,0 +1,29 @@
+"""Commands that run a program rather than read a store: demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    s = sub.add_parser("demo", help="train a small model, saving into a local store, then print the log")
+    s.add_argument("--steps", type=int, default=300)
+    s.add_argument("--every", type=int, default=20)
+    s.set_defaults(standalone=_demo)
+    from ..bench import add_parser
+
+    add_parser(sub)
+    sub.choices["bench"].set_defaults(standalone=_bench)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from ..demo import run
+
+    return run(args.store or "runs/demo-store", steps=args.steps, every=args.every)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ..bench import main
+
+    return main(args)

@@ -1,0 +1,45 @@
+"""Commands that list, create and delete refs: tag, branch."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from ..store import Store
+
+
+def register(sub: Any) -> None:
+    for kind in ("tag", "branch"):
+        s = sub.add_parser(kind, help=f"list, create or delete {kind}{'es' if kind == 'branch' else 's'}")
+        s.add_argument("name", nargs="?", help=f"the {kind} to create (none: list them)")
+        s.add_argument("ref", nargs="?", default="main", help="the version it names (default main)")
+        s.add_argument("-d", "--delete", metavar="NAME", help=f"delete {kind} NAME")
+        if kind == "tag":
+            s.add_argument("-m", "--message")
+        else:
+            s.add_argument("-f", "--force", action="store_true", help="move an existing branch")
+        s.set_defaults(handler=_tag if kind == "tag" else _branch)
+
+
+def _tag(store: Store, args: argparse.Namespace) -> int:
+    if args.delete:
+        store.delete_tag(args.delete)
+    elif args.name:
+        vid = store.tag(args.name, args.ref, args.message or "")
+        print(f"tag {args.name} -> {vid[:12]}")
+    else:
+        for name, vid in store.tags().items():
+            print(f"{name}\t{vid[:12]}")
+    return 0
+
+
+def _branch(store: Store, args: argparse.Namespace) -> int:
+    if args.delete:
+        store.delete_branch(args.delete)
+    elif args.name:
+        vid = store.branch(args.name, at=args.ref, force=args.force)
+        print(f"branch {args.name} -> {vid[:12]}")
+    else:
+        for name, vid in store.branches().items():
+            print(f"{name}\t{vid[:12]}")
+    return 0

@@ -1,0 +1,3 @@
+"""Maintenance: flushing to cold, refresh from other hosts, eviction, fsck, retention and gc. Never
+uses the Store facade.
+"""

@@ -1,0 +1,176 @@
+"""The flusher: copies committed versions from the hot tier to the cold tier, in commit order.
+
+For each version it copies the packs holding its chunks (those not on cold
+yet), then, under cold's sweep lock (see `Tier.sweep_lock`), checks them
+again and writes its manifests and its record, then moves refs on cold
+(fast-forward only, compare-and-swap under the cold tier's lock file), and
+only then marks the version resident on cold. A crash at any point leaves at
+most temp files on cold; the version stays pending and is flushed again by
+the next process that opens the store. When cold is unreachable the flusher
+retries with exponential backoff and reports its backlog; saves keep landing
+on hot meanwhile.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Any
+
+from ..base.files import copy_file, replace, write_new
+from ..errors import ConflictError, DataStatesError, IntegrityError
+
+if TYPE_CHECKING:
+    from ..repo.repository import Repository
+
+log = logging.getLogger("datastates.flush")
+
+
+class Flusher:
+    """Background copier hot -> cold; one per tiered store."""
+
+    def __init__(self, store: Repository) -> None:
+        self.store = store
+        self._queue: deque[str] = deque()
+        self._queued: set[str] = set()
+        self._cv = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self.failures = 0
+        self.last_error: str | None = None
+        self.conflicts: list[str] = []
+        self._thread = threading.Thread(target=self._run, name="datastates-flusher", daemon=True)
+        self._thread.start()
+
+    # queue ---------------------------------------------------------------------
+    def enqueue(self, vid: str) -> None:
+        with self._cv:
+            if vid not in self._queued:
+                self._queue.append(vid)
+                self._queued.add(vid)
+                self._cv.notify_all()
+
+    @property
+    def backlog(self) -> int:
+        with self._cv:
+            return len(self._queue) + (1 if self._busy else 0)
+
+    def pending(self) -> list[str]:
+        with self._cv:
+            return list(self._queue)
+
+    def wait(self, timeout: float | None = None, vid: str | None = None) -> bool:
+        """Block until the queue is empty (or `vid` is flushed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while (vid in self._queued) if vid is not None else (self._queue or self._busy):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left if left is not None else 1.0)
+            return True
+
+    def stop(self, drain: bool = True) -> None:
+        """Finish the backlog (unless cold is failing), then end the thread."""
+        if drain:
+            while self.backlog and self.failures == 0:
+                self.wait(timeout=1.0)
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        self._thread.join()
+
+    # work ------------------------------------------------------------------------
+    def _run(self) -> None:
+        delay = 0.05
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    return
+                vid = self._queue[0]
+                self._busy = True
+            try:
+                self.flush_version(vid)
+            except (OSError, DataStatesError) as exc:
+                self.failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                log.warning("flush of %s to cold failed (%s); retrying in %.2fs", vid[:12], exc, delay)
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+                    self._cv.wait(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            delay = 0.05
+            self.failures = 0
+            self.last_error = None
+            with self._cv:
+                self._queue.popleft()
+                self._queued.discard(vid)
+                self._busy = False
+                self._cv.notify_all()
+
+    def flush_version(self, vid: str) -> None:
+        """Copy one version (packs, manifests, record, annotations, refs) to cold; idempotent."""
+        store = self.store
+        hot, cold = store.hot, store.cold
+        assert cold is not None
+        if not (cold.root / "FORMAT").is_file():
+            # Unmounted or gone: never write into an empty mount point.
+            raise FileNotFoundError(f"cold tier {cold.root} is unreachable (no FORMAT file); will retry")
+        data = store.catalog.record(vid)
+        if data is None:
+            return  # dropped by fsck/gc meanwhile
+        v = store.version(vid)
+        packs = store.packs_of(v)
+        self._copy_missing(packs)  # the long part, outside the lock
+        with cold.sweep_lock():
+            # A cold-tier gc (any host) may have deleted a pack since, if no version on cold named it.
+            self._copy_missing(packs)
+            if not v.pruned:
+                for mid in v.manifests.values():
+                    if not cold.manifest_path(mid).exists():
+                        write_new(cold.manifest_path(mid), hot.read_manifest(mid))
+            write_new(cold.record_path(vid), data)
+        ann = hot.annotation_path(vid)
+        if ann.exists():
+            replace(cold.annotation_path(vid), ann.read_bytes())
+        self._publish_refs(v)
+        store.catalog.update_extra(vid, {"cold": True}, drop=("flush",))
+
+    def _copy_missing(self, packs: set[str]) -> None:
+        hot, cold = self.store.hot, self.store.cold
+        assert cold is not None
+        for pack in sorted(packs):
+            if cold.pack_path(pack).exists():
+                continue
+            if not hot.pack_path(pack).exists():
+                raise IntegrityError(f"pack {pack} is on neither tier; `datastates fsck` lists what needs it")
+            copy_file(hot.pack_path(pack), cold.pack_path(pack))
+
+    def _publish_refs(self, v: Any) -> None:
+        from ..query.lineage import is_ancestor
+
+        store = self.store
+        cold_refs = store.cold_refs
+        assert cold_refs is not None
+        if v.branch:
+            with cold_refs.locked():
+                current = cold_refs.get("branch", v.branch)
+                known = current is not None and store.catalog.record(current) is not None
+                if current is None or (known and current != v.id and is_ancestor(store.graph, current, v.id)):
+                    cold_refs.set_if_equals("branch", v.branch, current, v.id, f"flush {v.short}", locked=True)
+                elif current != v.id and not (known and is_ancestor(store.graph, v.id, current)):
+                    self.conflicts.append(f"branch {v.branch!r} on cold is at {current[:12]}, which is not an "
+                                          f"ancestor of {v.short}; left as is")
+        for name, tid in store.refs.names("tag").items():
+            if tid == v.id:
+                try:
+                    cold_refs.add_if_new("tag", name, v.id, "flush")
+                except ConflictError:
+                    if cold_refs.get("tag", name) != v.id:
+                        self.conflicts.append(f"tag {name!r} on cold names another version; left as is")

@@ -1,0 +1,60 @@
+"""Refresh: learn what other hosts published to the shared cold tier (their packs, versions,
+prunes and ref moves) and forget packs that a cold-tier gc collected."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import blake3
+
+from ..meta.catalog import CommitBatch
+from ..objects.packs import list_packs, read_index
+from ..query.lineage import is_ancestor
+from ..repo.repository import Repository
+
+
+def refresh(repo: Repository) -> dict[str, int]:
+    """Index other hosts' packs and versions found on cold and fast-forward local refs to cold's.
+    Returns counts of what was added. Does nothing when cold is unreachable: an empty mount point
+    says nothing about what cold holds."""
+    counts = {"packs": 0, "versions": 0, "refs": 0, "pruned": 0, "packs_gone": 0}
+    cold, hot, catalog = repo.cold, repo.hot, repo.catalog
+    if cold is None or repo.cold_refs is None or not (cold.root / "FORMAT").is_file():
+        return counts
+    known = set(catalog.packs())
+    on_cold = {p.name.removesuffix(".pack"): p for p in list_packs(cold.root / "packs")}
+    for pack in known - on_cold.keys():  # collected on cold by some host's gc, no copy on hot: forget it
+        if not hot.pack_path(pack).exists():
+            catalog.drop_pack(pack)
+            counts["packs_gone"] += 1
+    for pack, path in on_cold.items():  # one listing of cold, not a stat per pack (PFS metadata)
+        if pack not in known:
+            idx = read_index(path)
+            catalog.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": "cold"}, idx)
+            counts["packs"] += 1
+    for vid in cold.iter_ids("versions", "json"):
+        if catalog.record(vid) is None:
+            data = cold.read_record(vid)
+            if data is not None and blake3.blake3(data).hexdigest() == vid:
+                extra: dict[str, Any] = {"cold": True}
+                if cold.record_path(vid).with_suffix(".pruned").exists():
+                    extra["pruned"] = True  # another host pruned it
+                catalog.commit(CommitBatch(vid, data, list(json.loads(data).get("parents", [])), extra=extra))
+                counts["versions"] += 1
+    pruned = catalog.pruned_ids()
+    for vid in cold.iter_ids("versions", "pruned"):  # pruned by another host
+        if vid not in pruned and catalog.record(vid) is not None:
+            catalog.update_extra(vid, {"pruned": True}, only_if_missing="pruned")
+            counts["pruned"] += 1
+    for kind in ("branch", "tag"):
+        for name, cid in repo.cold_refs.names(kind).items():  # type: ignore[arg-type]
+            mine = repo.refs.get(kind, name)  # type: ignore[arg-type]
+            if catalog.record(cid) is None or mine == cid:
+                continue
+            if mine is None or (kind == "branch" and is_ancestor(repo.graph, mine, cid)):
+                with repo.refs.locked():
+                    repo.refs.set_if_equals(kind, name, mine, cid, "refresh from cold",  # type: ignore[arg-type]
+                                            locked=True)
+                counts["refs"] += 1
+    return counts

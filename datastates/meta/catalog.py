@@ -1,0 +1,293 @@
+"""The LMDB catalog: the index that makes lookups and queries fast.
+
+The tier files are the truth; everything here can be rebuilt from them
+(`datastates fsck --rebuild`). Keys are raw 32-byte ids so prefix lookups are
+range scans. The catalog knows nothing of torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from ..objects.chunks import ChunkLocation
+
+_LOC = struct.Struct("<16sQQQB")
+_OPEN: dict[str, tuple[lmdb.Environment, int]] = {}
+_OPEN_LOCK = threading.Lock()
+_DB_HANDLES: dict[str, dict[str, Any]] = {}
+_DBS = (b"chunks", b"packs", b"versions", b"children", b"extra", b"annotations", b"meta", b"nodes")
+_CREATED = struct.Struct("<d")
+
+
+def _pack_loc(loc: ChunkLocation) -> bytes:
+    return _LOC.pack(bytes.fromhex(loc.pack), loc.offset, loc.length, loc.raw_length, loc.codec)
+
+
+def _unpack_loc(raw: bytes) -> ChunkLocation:
+    pack, off, length, rawlen, codec = _LOC.unpack(raw)
+    return ChunkLocation(pack.hex(), off, length, rawlen, codec)
+
+
+@dataclass
+class CommitBatch:
+    """Everything one version adds to the catalog, written in one transaction."""
+
+    version_id: str
+    record: bytes
+    parents: list[str]
+    chunks: list[tuple[bytes, ChunkLocation]] = field(default_factory=list)
+    packs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+    overwrite_chunks: bool = False
+    """Point known chunks at these new locations (a tiered store rewrote them to hot because the
+    copy it knew of was on cold only); otherwise the first writer's location stays."""
+
+
+class Catalog:
+    """One process-wide handle per LMDB directory (LMDB forbids opening one twice)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        key = os.path.realpath(path)
+        with _OPEN_LOCK:  # LMDB forbids concurrent mdb_dbi_open: open the tables once, under the lock
+            env, refs = _OPEN.get(key, (None, 0))
+            if env is None:
+                path.mkdir(parents=True, exist_ok=True)
+                # map_size is virtual address space; the file grows only as pages are used.
+                env = lmdb.open(str(path), map_size=1 << 40, max_dbs=len(_DBS), subdir=True, max_readers=256)
+                _DB_HANDLES[key] = {name.decode(): env.open_db(name) for name in _DBS}
+            _OPEN[key] = (env, refs + 1)
+            self._db = _DB_HANDLES[key]
+        self._key = key
+        self.env = env
+
+    def close(self) -> None:
+        with _OPEN_LOCK:
+            env, refs = _OPEN.get(self._key, (None, 0))
+            if env is None:
+                return
+            if refs <= 1:
+                del _OPEN[self._key]
+                _DB_HANDLES.pop(self._key, None)
+                env.close()
+            else:
+                _OPEN[self._key] = (env, refs - 1)
+
+    # chunks -----------------------------------------------------------------
+    def chunk(self, cid: bytes) -> ChunkLocation | None:
+        with self.env.begin(db=self._db["chunks"]) as txn:
+            raw = txn.get(cid)
+        return None if raw is None else _unpack_loc(raw)
+
+    def chunks(self, cids: Iterable[bytes]) -> list[ChunkLocation | None]:
+        with self.env.begin(db=self._db["chunks"]) as txn:
+            return [None if (r := txn.get(c)) is None else _unpack_loc(r) for c in cids]
+
+    def has_chunks(self, cids: Iterable[bytes]) -> list[bool]:
+        with self.env.begin(db=self._db["chunks"]) as txn:
+            return [txn.get(c) is not None for c in cids]
+
+    def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLocation]]:
+        with self.env.begin(db=self._db["chunks"]) as txn:
+            for k, v in txn.cursor():
+                yield bytes(k), _unpack_loc(v)
+
+    def packs(self) -> dict[str, dict[str, Any]]:
+        with self.env.begin(db=self._db["packs"]) as txn:
+            return {bytes(k).hex(): json.loads(v) for k, v in txn.cursor()}
+
+    def drop_pack(self, pack: str) -> int:
+        """Forget a pack and every chunk location that points into it; return chunks dropped."""
+        dropped = 0
+        with self.env.begin(write=True) as txn:
+            txn.delete(bytes.fromhex(pack), db=self._db["packs"])
+            cur = txn.cursor(db=self._db["chunks"])
+            stale = [bytes(k) for k, v in cur if _unpack_loc(v).pack == pack]
+            for k in stale:
+                txn.delete(k, db=self._db["chunks"])
+                dropped += 1
+        return dropped
+
+    def add_pack_chunks(self, pack: str, info: dict[str, Any], chunks: list[tuple[bytes, ChunkLocation]]) -> None:
+        """Index a sealed pack's chunks without overwriting locations already known."""
+        with self.env.begin(write=True) as txn:
+            txn.put(bytes.fromhex(pack), json.dumps(info).encode(), db=self._db["packs"])
+            for cid, loc in chunks:
+                txn.put(cid, _pack_loc(loc), db=self._db["chunks"], overwrite=False)
+
+    def set_chunk(self, cid: bytes, loc: ChunkLocation) -> None:
+        with self.env.begin(write=True, db=self._db["chunks"]) as txn:
+            txn.put(cid, _pack_loc(loc))
+
+    # versions ---------------------------------------------------------------
+    def commit(self, batch: CommitBatch) -> None:
+        """Index a version and the chunks it added, atomically."""
+        vid = bytes.fromhex(batch.version_id)
+        with self.env.begin(write=True) as txn:
+            for pack, info in batch.packs.items():
+                txn.put(bytes.fromhex(pack), json.dumps(info).encode(), db=self._db["packs"])
+            for cid, loc in batch.chunks:
+                # Unless told otherwise, the first writer wins: a chunk another process indexed stays put.
+                txn.put(cid, _pack_loc(loc), db=self._db["chunks"], overwrite=batch.overwrite_chunks)
+            txn.put(vid, batch.record, db=self._db["versions"])
+            # The walks' view of the record (creation time, parents) without parsing its JSON.
+            created = float(json.loads(batch.record).get("created") or 0.0)
+            txn.put(vid, _CREATED.pack(created) + b"".join(bytes.fromhex(p) for p in batch.parents),
+                    db=self._db["nodes"])
+            for p in batch.parents:
+                txn.put(bytes.fromhex(p) + vid, b"", db=self._db["children"])
+            if batch.extra:
+                txn.put(vid, json.dumps(batch.extra).encode(), db=self._db["extra"])
+            txn.put(b"generation", str(self._generation(txn) + 1).encode(), db=self._db["meta"])
+
+    def _generation(self, txn: lmdb.Transaction) -> int:
+        raw = txn.get(b"generation", db=self._db["meta"])
+        return int(raw) if raw else 0
+
+    def generation(self) -> int:
+        """A counter bumped by every change to versions or annotations (for caches)."""
+        with self.env.begin() as txn:
+            return self._generation(txn)
+
+    def record(self, vid: str) -> bytes | None:
+        with self.env.begin(db=self._db["versions"]) as txn:
+            raw = txn.get(bytes.fromhex(vid))
+        return None if raw is None else bytes(raw)
+
+    def records(self) -> Iterator[tuple[str, bytes]]:
+        with self.env.begin(db=self._db["versions"]) as txn:
+            for k, v in txn.cursor():
+                yield bytes(k).hex(), bytes(v)
+
+    def version_count(self) -> int:
+        with self.env.begin() as txn:
+            return int(txn.stat(self._db["versions"])["entries"])
+
+    def ids_with_prefix(self, prefix: str, limit: int = 2) -> list[str]:
+        """Up to `limit` version ids starting with the hex `prefix`."""
+        even = prefix[: len(prefix) // 2 * 2]
+        start = bytes.fromhex(even)
+        out: list[str] = []
+        with self.env.begin(db=self._db["versions"]) as txn:
+            cur = txn.cursor()
+            if not cur.set_range(start):
+                return out
+            for k in cur.iternext(values=False):
+                h = bytes(k).hex()
+                if not h.startswith(even):
+                    break
+                if h.startswith(prefix):
+                    out.append(h)
+                    if len(out) >= limit:
+                        break
+        return out
+
+    def children(self, vid: str) -> list[str]:
+        key = bytes.fromhex(vid)
+        out = []
+        with self.env.begin(db=self._db["children"]) as txn:
+            cur = txn.cursor()
+            if cur.set_range(key):
+                for k in cur.iternext(values=False):
+                    k = bytes(k)
+                    if k[:32] != key:
+                        break
+                    out.append(k[32:].hex())
+        return out
+
+    def extra(self, vid: str) -> dict[str, Any]:
+        with self.env.begin(db=self._db["extra"]) as txn:
+            raw = txn.get(bytes.fromhex(vid))
+        return {} if raw is None else dict(json.loads(raw))
+
+    def set_extra(self, vid: str, extra: dict[str, Any]) -> None:
+        with self.env.begin(write=True, db=self._db["extra"]) as txn:
+            txn.put(bytes.fromhex(vid), json.dumps(extra).encode())
+
+    def update_extra(self, vid: str, set_: dict[str, Any] | None = None, drop: Iterable[str] = (),
+                     only_if_missing: str | None = None) -> dict[str, Any]:
+        """Read-modify-write a version's extra in one transaction (flusher, prune and saves race on it).
+        With `only_if_missing`, nothing changes when that key is already truthy. Bumps the generation."""
+        key = bytes.fromhex(vid)
+        with self.env.begin(write=True) as txn:
+            raw = txn.get(key, db=self._db["extra"])
+            extra = {} if raw is None else dict(json.loads(raw))
+            if only_if_missing is not None and extra.get(only_if_missing):
+                return extra
+            extra.update(set_ or {})
+            for k in drop:
+                extra.pop(k, None)
+            txn.put(key, json.dumps(extra).encode(), db=self._db["extra"])
+            txn.put(b"generation", str(self._generation(txn) + 1).encode(), db=self._db["meta"])
+        return extra
+
+    def set_chunks(self, items: Iterable[tuple[bytes, ChunkLocation]]) -> None:
+        """Point many chunks at new locations in one transaction (gc's repack)."""
+        with self.env.begin(write=True, db=self._db["chunks"]) as txn:
+            for cid, loc in items:
+                txn.put(cid, _pack_loc(loc))
+
+    def pruned_ids(self) -> set[str]:
+        """Ids of versions whose bytes were pruned (their records stay)."""
+        with self.env.begin(db=self._db["extra"]) as txn:
+            return {bytes(k).hex() for k, v in txn.cursor() if b'"pruned": true' in v}
+
+    # annotations ------------------------------------------------------------
+    def annotations(self, vid: str) -> dict[str, Any]:
+        with self.env.begin(db=self._db["annotations"]) as txn:
+            raw = txn.get(bytes.fromhex(vid))
+        return {} if raw is None else dict(json.loads(raw))
+
+    def all_annotations(self) -> dict[str, dict[str, Any]]:
+        with self.env.begin(db=self._db["annotations"]) as txn:
+            return {bytes(k).hex(): json.loads(v) for k, v in txn.cursor()}
+
+    def set_annotations(self, vid: str, values: dict[str, Any]) -> None:
+        with self.env.begin(write=True) as txn:
+            txn.put(bytes.fromhex(vid), json.dumps(values).encode(), db=self._db["annotations"])
+            txn.put(b"generation", str(self._generation(txn) + 1).encode(), db=self._db["meta"])
+
+    def meta(self, key: str) -> str | None:
+        with self.env.begin(db=self._db["meta"]) as txn:
+            raw = txn.get(key.encode())
+        return None if raw is None else bytes(raw).decode()
+
+    def set_meta(self, key: str, value: str) -> None:
+        with self.env.begin(write=True, db=self._db["meta"]) as txn:
+            txn.put(key.encode(), value.encode())
+
+    def node(self, vid: str) -> tuple[tuple[str, ...], float] | None:
+        """(parents, created) of an indexed version, read without parsing its record; None if absent
+        (unknown, or indexed by a catalog older than the `nodes` table: read the record then)."""
+        with self.env.begin(db=self._db["nodes"]) as txn:
+            raw = txn.get(bytes.fromhex(vid))
+        if raw is None:
+            return None
+        raw = bytes(raw)
+        parents = tuple(raw[i:i + 32].hex() for i in range(_CREATED.size, len(raw), 32))
+        return parents, _CREATED.unpack_from(raw)[0]
+
+    def drop_version(self, vid: str, parents: list[str]) -> None:
+        key = bytes.fromhex(vid)
+        with self.env.begin(write=True) as txn:
+            txn.delete(key, db=self._db["versions"])
+            txn.delete(key, db=self._db["nodes"])
+            txn.delete(key, db=self._db["extra"])
+            for p in parents:
+                txn.delete(bytes.fromhex(p) + key, db=self._db["children"])
+            txn.put(b"generation", str(self._generation(txn) + 1).encode(), db=self._db["meta"])
+
+    def clear(self) -> None:
+        """Empty every table (before a rebuild)."""
+        with self.env.begin(write=True) as txn:
+            for name in _DBS:
+                txn.drop(self._db[name.decode()], delete=False)

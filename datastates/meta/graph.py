@@ -1,0 +1,45 @@
+"""The version DAG as seen through the catalog, for the walks in `lineage`.
+
+Records are immutable, so parents and creation times are cached per process
+forever; children are read from the catalog each time (new versions appear).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+
+from ..errors import NotFoundError
+from .catalog import Catalog
+
+_CACHE: dict[str, dict[str, tuple[tuple[str, ...], float]]] = {}
+
+
+class CatalogGraph:
+    """`lineage.Graph` over an LMDB catalog."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self._nodes = _CACHE.setdefault(str(catalog.path), {})
+
+    def _node(self, vid: str) -> tuple[tuple[str, ...], float]:
+        node = self._nodes.get(vid)
+        if node is None:
+            node = self.catalog.node(vid)
+        if node is None:
+            data = self.catalog.record(vid)
+            if data is None:
+                raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
+            rec = json.loads(data)
+            node = (tuple(rec.get("parents", ())), float(rec.get("created", 0.0)))
+        self._nodes[vid] = node
+        return node
+
+    def parents(self, vid: str) -> Sequence[str]:
+        return self._node(vid)[0]
+
+    def created(self, vid: str) -> float:
+        return self._node(vid)[1]
+
+    def children(self, vid: str) -> Sequence[str]:
+        return self.catalog.children(vid)

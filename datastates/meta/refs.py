@@ -1,0 +1,181 @@
+"""Refs: branches (movable) and tags (fixed), stored as one small file each.
+
+Every change goes through a compare-and-swap under an exclusive lock on the
+tier, is written atomically (temp + fsync + rename), and is appended to the
+reflog, so no ref move is ever silent.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+from ..base.files import append_line, fsync_dir, replace
+from ..base.locks import lockfile
+from ..errors import ConflictError, InvalidNameError, NotFoundError
+
+Kind = Literal["branch", "tag"]
+_DIRS = {"branch": "heads", "tag": "tags"}
+_BAD_CHARS = re.compile(r"[\x00-\x20\x7f~^:?*\[\\]")
+HEX_ID = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_name(name: str, what: str = "branch") -> str:
+    """Return `name` if it is a valid ref name, else raise InvalidNameError saying why.
+
+    Refused: empty, over 255 bytes, `..`, a leading or trailing `/`, `//`,
+    control characters, spaces and the characters ``~ ^ : ? * [ \\`` that have
+    meaning in ref expressions.
+    """
+    if not isinstance(name, str) or not name:
+        raise InvalidNameError(f"{what} name {name!r} is empty or not a string; give a name like 'main'")
+    why = None
+    if len(name.encode()) > 255 or len(_encode(name).encode()) > 255:
+        why = "is longer than 255 bytes (each '/' or '%' counts as 3 in the file name)"
+    elif ".." in name:
+        why = "contains '..'"
+    elif name.startswith("/") or name.endswith("/") or "//" in name:
+        why = "starts or ends with '/' or contains '//'"
+    elif _BAD_CHARS.search(name):
+        why = "contains a control character, a space or one of ~ ^ : ? * [ \\"
+    elif name.startswith("-") or name.endswith(".lock") or name.startswith("."):
+        why = "starts with '-' or '.', or ends with '.lock'"
+    elif name == "@" or name.upper() == "HEAD":
+        why = "is reserved"
+    if why:
+        raise InvalidNameError(f"{what} name {name!r} {why}; use letters, digits, '-', '_', '.', '/'")
+    return name
+
+
+def _encode(name: str) -> str:
+    # Flat files: '/' inside a name must not create directories (a/b vs a).
+    return name.replace("%", "%25").replace("/", "%2F")
+
+
+def _decode(fname: str) -> str:
+    return fname.replace("%2F", "/").replace("%25", "%")
+
+
+class RefStore:
+    """Branches and tags of one tier directory."""
+
+    def __init__(self, root: Path, shared: bool = False) -> None:
+        self.root = root
+        self.shared = shared
+        """True on a tier shared by several hosts: lock with O_EXCL lock files, not flock."""
+        self._lock_path = root / "locks" / "refs.lock"
+
+    def _path(self, kind: Kind, name: str) -> Path:
+        return self.root / "refs" / _DIRS[kind] / _encode(name)
+
+    def _log_path(self, kind: Kind, name: str) -> Path:
+        return self.root / "logs" / _DIRS[kind] / _encode(name)
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the tier's ref lock, exclusive across processes (and hosts, for a shared tier)."""
+        if self.shared:
+            with lockfile(self.root / "locks" / "refs.lockfile"):
+                yield
+            return
+        self._lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def get(self, kind: Kind, name: str) -> str | None:
+        """The version id a ref points at, or None if it does not exist."""
+        try:
+            text = self._path(kind, name).read_text().strip()
+        except (FileNotFoundError, OSError):
+            return None
+        return text or None
+
+    def names(self, kind: Kind) -> dict[str, str]:
+        d = self.root / "refs" / _DIRS[kind]
+        out: dict[str, str] = {}
+        if d.is_dir():
+            for p in sorted(d.iterdir()):
+                if p.name.startswith("."):
+                    continue
+                vid = p.read_text().strip()
+                if vid:
+                    out[_decode(p.name)] = vid
+        return out
+
+    def _write(self, kind: Kind, name: str, old: str | None, new: str | None, message: str) -> None:
+        path = self._path(kind, name)
+        if new is None:
+            path.unlink()
+            fsync_dir(path.parent)
+        else:
+            replace(path, (new + "\n").encode())
+        entry = {"old": old, "new": new, "time": time.time(), "message": message,
+                 "host": socket.gethostname(), "pid": os.getpid()}
+        append_line(self._log_path(kind, name), json.dumps(entry, sort_keys=True).encode())
+
+    def set_if_equals(self, kind: Kind, name: str, old: str | None, new: str, message: str = "",
+                      *, locked: bool = False) -> None:
+        """Point `name` at `new` if it currently points at `old` (None: must not exist).
+
+        Raises ConflictError if another writer moved it first; nothing changes then.
+        """
+        check_name(name, kind)
+        if not locked:
+            with self.locked():
+                return self.set_if_equals(kind, name, old, new, message, locked=True)
+        current = self.get(kind, name)
+        if current != old:
+            raise ConflictError(
+                f"{kind} {name!r} moved to {str(current)[:12]} while you expected {str(old)[:12]}; "
+                "your version is kept and reachable by id: re-read the branch and retry"
+            )
+        self._write(kind, name, old, new, message)
+
+    def add_if_new(self, kind: Kind, name: str, new: str, message: str = "") -> None:
+        """Create a ref; ConflictError if it exists already."""
+        check_name(name, kind)
+        with self.locked():
+            current = self.get(kind, name)
+            if current is not None:
+                raise ConflictError(
+                    f"{kind} {name!r} already exists (at {current[:12]}); delete it first or pick another name"
+                )
+            self._write(kind, name, None, new, message)
+
+    def remove_if_equals(self, kind: Kind, name: str, old: str | None = None, message: str = "") -> str:
+        """Delete a ref (only if it points at `old`, when given); return what it pointed at."""
+        check_name(name, kind)
+        with self.locked():
+            current = self.get(kind, name)
+            if current is None:
+                raise NotFoundError(f"{kind} {name!r} does not exist; `datastates {kind} --list` shows them")
+            if old is not None and current != old:
+                raise ConflictError(f"{kind} {name!r} points at {current[:12]}, not {old[:12]}; nothing deleted")
+            self._write(kind, name, current, None, message)
+            return current
+
+    def reflog(self, kind: Kind, name: str) -> list[dict[str, Any]]:
+        """Every recorded change of a ref, oldest first."""
+        path = self._log_path(kind, name)
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a torn last line from a crash mid-append
+        return out

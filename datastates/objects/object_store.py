@@ -1,0 +1,327 @@
+"""The object store: chunks in packs over one or two tiers (hot node-local, cold shared).
+
+Like dulwich's object store with an *alternate*: reads look in hot, then in
+cold; a cold read may promote the pack into hot, and a corrupt hot copy is
+replaced by a good cold one. Every read is verified against the chunk's
+blake3 (unless verification is off). It also owns the dedup answer (may a
+save name a chunk without writing it?), the pins that keep reused hot packs
+from eviction while a save is in flight, and the least-recently-used order
+eviction drops packs in.
+
+It knows nothing of versions, refs or torch: where a chunk is comes from a
+`ChunkIndex` (the catalog implements it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Protocol
+
+import numpy as np
+
+from ..base.files import copy_file, write_new
+from ..errors import IntegrityError, NotFoundError
+from .chunks import CODEC_RAW, CODEC_ZSTD, ChunkLocation, chunk_id
+from .tier import Tier
+
+log = logging.getLogger("datastates")
+
+try:
+    from zstandard import ZstdError as _ZstdError
+except ImportError:  # zstd is optional; without it no chunk can be zstd-coded on this side
+    class _ZstdError(Exception):  # type: ignore[no-redef]
+        pass
+
+
+class ChunkIndex(Protocol):
+    """Where chunks are: chunk id -> (pack, offset, length, codec)."""
+
+    def chunk(self, cid: bytes) -> ChunkLocation | None: ...
+
+    def chunks(self, cids: list[bytes]) -> list[ChunkLocation | None]: ...
+
+    def has_chunks(self, cids: list[bytes]) -> list[bool]: ...
+
+
+class ObjectStore:
+    """Chunk reads across tiers with verification, fallback, repair and promotion; dedup; pins."""
+
+    def __init__(self, hot: Tier, cold: Tier | None, index: ChunkIndex, *, verify: bool = True,
+                 promote: bool = True, hot_capacity: int | None = None) -> None:
+        self.hot = hot
+        """The tier saves write to (the only one without a cold tier)."""
+        self.cold = cold
+        self.tiers = [hot] if cold is None else [hot, cold]
+        self.index = index
+        self.verify = verify
+        self.promote = promote
+        self.hot_capacity = hot_capacity
+        self.evict_lock = threading.Lock()
+        """Held while deciding dedup against hot packs and while evicting them."""
+        self.pins: dict[str, int] = {}
+        """Hot packs that saves in flight reuse chunks from, with a count of such saves (under evict_lock)."""
+        self.pack_used: dict[str, float] = {}
+        """Last use of each pack in this process (monotonic time), for LRU eviction."""
+
+    @property
+    def tier(self) -> Tier:
+        return self.hot
+
+    def touch(self, pack: str) -> None:
+        self.pack_used[pack] = time.monotonic()
+
+    # dedup and pins ----------------------------------------------------------------
+    def dedup(self, pins: set[str] | None, cids: list[bytes]) -> list[bool]:
+        """For each chunk id: may a save name it without writing its bytes?
+
+        Without tiers: whenever the index knows it. With tiers: only when a copy
+        is in a hot pack, which is then pinned into `pins` (eviction keeps it until
+        `unpin`). A chunk known only on cold is written again, so a version never
+        needs a cold pack that a cold-tier gc may delete before the flusher has
+        put this version's own copy there.
+        """
+        if self.cold is None:
+            return self.index.has_chunks(cids)
+        locs = self.index.chunks(cids)
+        with self.evict_lock:
+            on_hot: dict[str, bool] = {}
+            for loc in locs:
+                if loc is not None and loc.pack not in on_hot:
+                    on_hot[loc.pack] = self.hot.pack_path(loc.pack).exists()
+            if pins is not None:
+                for pack in {p for p, ok in on_hot.items() if ok} - pins:
+                    pins.add(pack)
+                    self.pins[pack] = self.pins.get(pack, 0) + 1
+        return [loc is not None and on_hot[loc.pack] for loc in locs]
+
+    def restore_pins(self, pins: set[str]) -> None:
+        """Put back on hot any pinned pack that another process's eviction removed (it had a copy
+        on cold). Called under the hot ref lock just before a commit, which eviction also holds.
+
+        Raises IntegrityError if the pack is on no tier any more (then nothing is committed)."""
+        if self.cold is None:
+            return
+        for pack in sorted(pins):
+            hot_path = self.hot.pack_path(pack)
+            if hot_path.exists():
+                continue
+            cold_path = self.cold.pack_path(pack)
+            if not cold_path.exists():
+                raise IntegrityError(f"pack {pack}, which this save reuses chunks from, is on neither tier; "
+                                     "save again (its chunks will be written anew)")
+            copy_file(cold_path, hot_path)
+            log.info("pack %s was evicted while a save reused it; copied back from cold", pack)
+
+    def unpin(self, pins: set[str]) -> None:
+        with self.evict_lock:
+            for pack in pins:
+                if self.pins.get(pack, 0) <= 1:
+                    self.pins.pop(pack, None)
+                else:
+                    self.pins[pack] -= 1
+            pins.clear()
+
+    def drop_lru(self, keep: set[str]) -> None:
+        """Drop least recently used hot packs that cold holds whole, skipping `keep` and pinned
+        packs, until hot is under its capacity. The caller holds `evict_lock` and the hot ref lock."""
+        cap = self.hot_capacity
+        if self.cold is None or cap is None:
+            return
+        packs = {p.name.removesuffix(".pack"): p.stat().st_size for p in (self.hot.root / "packs").glob("*.pack")}
+        used = sum(packs.values())
+        keep = keep | set(self.pins)
+        # The id starts with its creation time, so unused packs fall back to oldest first.
+        for pack in sorted(packs, key=lambda p: (self.pack_used.get(p, 0.0), p)):
+            if used <= cap:
+                break
+            if pack in keep:
+                continue
+            try:
+                on_cold = self.cold.pack_path(pack).stat().st_size == packs[pack]
+            except OSError:
+                on_cold = False
+            if not on_cold:
+                continue  # never drop the only durable copy
+            self.hot.reader.forget(pack)
+            self.hot.pack_path(pack).unlink(missing_ok=True)
+            used -= packs[pack]
+
+    def hot_over_capacity(self) -> bool:
+        cap = self.hot_capacity
+        if self.cold is None or cap is None:
+            return False
+        return sum(p.stat().st_size for p in (self.hot.root / "packs").glob("*.pack")) > cap
+
+    # manifests -----------------------------------------------------------------------
+    def read_manifest_bytes(self, mid: str) -> bytes:
+        """The stored bytes of manifest `mid` from the first tier that has it (unverified: the
+        manifest layer checks them). A copy read from cold is kept on hot, so restarts do not
+        need cold. Raises NotFoundError or OSError from the last tier tried."""
+        err: Exception | None = None
+        for t in self.tiers:
+            try:
+                data = t.read_manifest(mid)
+            except (NotFoundError, OSError) as exc:
+                err = exc
+                continue
+            if t is not self.hot:
+                try:
+                    write_new(self.hot.manifest_path(mid), data)
+                except OSError:
+                    pass
+            return data
+        assert err is not None
+        raise err
+
+    # chunks --------------------------------------------------------------------------
+    def read_chunk(self, cid: bytes, key: str = "?") -> bytes:
+        """The raw bytes of one chunk, verified. Raises NotFoundError, IntegrityError."""
+        loc = self.index.chunk(cid)
+        if loc is None:
+            raise NotFoundError(
+                f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; run `datastates fsck`")
+        out = bytearray(loc.raw_length)
+        self._read_chunk(cid, loc, memoryview(out), key)
+        return bytes(out)
+
+    def read_chunks_into(self, cids: list[bytes], arr: np.ndarray[Any, Any], key: str) -> None:
+        """Fill `arr` (uint8, the chunks' total length) with the chunks in order, verified; chunks
+        stored back to back in one hot pack are read in one call. Raises NotFoundError, IntegrityError."""
+        locs = self.index.chunks(cids)
+        pos = 0
+        for run in contiguous_runs(list(zip(cids, locs)), key):
+            size = sum(loc.raw_length for _, loc in run)
+            if len(run) > 1 and self._read_run(run, arr[pos:pos + size].data):
+                pos += size
+                continue
+            for cid, loc in run:
+                self._read_chunk(cid, loc, arr[pos:pos + loc.raw_length].data, key)
+                pos += loc.raw_length
+
+    def _read_run(self, run: list[tuple[bytes, ChunkLocation]], out: memoryview) -> bool:
+        """One read for chunks stored back to back in one hot pack, then verify each; False (nothing
+        trusted) if any part fails, so the caller falls back to chunk-by-chunk reads across tiers."""
+        first = run[0][1]
+        span = ChunkLocation(first.pack, first.offset, len(out), len(out))
+        try:
+            self.hot.reader.read_into(span, out)
+        except (NotFoundError, IntegrityError, OSError):
+            return False
+        pos = 0
+        for cid, loc in run:
+            if self.verify and chunk_id(out[pos:pos + loc.raw_length]) != cid:
+                return False
+            pos += loc.raw_length
+        self.touch(first.pack)
+        return True
+
+    def _read_chunk(self, cid: bytes, loc: ChunkLocation, out: memoryview, key: str) -> None:
+        """`_read_chunk_at`, looking the chunk up again once if its pack vanished: gc in another
+        process may have repacked it since we resolved its location."""
+        try:
+            self._read_chunk_at(cid, loc, out, key)
+        except NotFoundError:
+            fresh = self.index.chunk(cid)
+            if fresh is None or fresh == loc:
+                raise
+            self._read_chunk_at(cid, fresh, out, key)
+
+    def _read_chunk_at(self, cid: bytes, loc: ChunkLocation, out: memoryview, key: str) -> None:
+        """Read and verify one chunk: hot first, then cold. A cold read may promote the pack
+        into hot; a corrupt hot copy is replaced by a good cold one (logged)."""
+        errors: list[Exception] = []
+        for t in self.tiers:
+            try:
+                self._read_chunk_from(t, cid, loc, out, key)
+            except (NotFoundError, IntegrityError) as exc:
+                errors.append(exc)
+                continue
+            if t is not self.hot:
+                self._after_cold_read(loc.pack, repair=any(isinstance(e, IntegrityError) for e in errors))
+            else:
+                self.touch(loc.pack)
+            return
+        corrupt = [e for e in errors if isinstance(e, IntegrityError)]
+        if corrupt:
+            raise corrupt[0]
+        raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is on no reachable tier: "
+                            + "; ".join(str(e) for e in errors))
+
+    def _read_chunk_from(self, t: Tier, cid: bytes, loc: ChunkLocation, out: memoryview, key: str) -> None:
+        try:
+            if loc.codec == CODEC_ZSTD:
+                import zstandard
+
+                data = zstandard.ZstdDecompressor().decompress(t.reader.read(loc), max_output_size=loc.raw_length)
+                if len(data) != loc.raw_length:
+                    raise IntegrityError(f"chunk {cid.hex()[:16]} of {key!r} decodes to {len(data)} bytes, "
+                                         f"not {loc.raw_length}; run `datastates fsck`")
+                out[:] = data
+            else:
+                t.reader.read_into(loc, out)
+        except OSError as exc:
+            raise NotFoundError(f"pack {loc.pack} is unreadable on tier {t.name}: {exc}") from exc
+        except (ValueError, _ZstdError) as exc:  # zstd errors on damaged frames
+            raise IntegrityError(f"chunk {cid.hex()[:16]} of tensor {key!r} in pack {loc.pack} does not decode "
+                                 f"on tier {t.name}: {exc}; run `datastates fsck`") from exc
+        if self.verify and chunk_id(out) != cid:
+            raise IntegrityError(
+                f"chunk {cid.hex()[:16]} of tensor {key!r} in pack {loc.pack} at offset {loc.offset} is corrupt "
+                f"(blake3 mismatch) on tier {t.name}; run `datastates fsck`"
+            )
+
+    def _after_cold_read(self, pack: str, repair: bool) -> None:
+        assert self.cold is not None
+        src, dst = self.cold.pack_path(pack), self.hot.pack_path(pack)
+        try:
+            if repair:
+                log.warning("pack %s was corrupt on hot; replaced it with the good copy from cold", pack)
+                self.hot.reader.forget(pack)
+                copy_file(src, dst, overwrite=True)
+            elif self.promote and not dst.exists():
+                cap = self.hot_capacity
+                used = sum(p.stat().st_size for p in (self.hot.root / "packs").glob("*.pack"))
+                if cap is None or used + src.stat().st_size <= cap:
+                    copy_file(src, dst)
+            self.touch(pack)
+        except OSError as exc:  # promotion is an optimisation; the read already succeeded
+            log.warning("could not copy pack %s into hot: %s", pack, exc)
+
+    # usage ---------------------------------------------------------------------------
+    def usage(self) -> list[dict[str, Any]]:
+        """Per tier: name, path, bytes in packs, pack count, capacity, reachability."""
+        out = []
+        for t in self.tiers:
+            try:
+                sizes = [p.stat().st_size for p in (t.root / "packs").glob("*.pack")]
+                reachable = t.root.is_dir()
+            except OSError:
+                sizes, reachable = [], False
+            out.append({"tier": t.name, "path": str(t.root), "bytes": sum(sizes), "packs": len(sizes),
+                        "capacity": self.hot_capacity if t is self.hot and self.cold else None,
+                        "reachable": reachable})
+        return out
+
+    def close(self) -> None:
+        for t in self.tiers:
+            t.close()
+
+
+def contiguous_runs(chunks: list[tuple[bytes, ChunkLocation | None]],
+                    key: str) -> list[list[tuple[bytes, ChunkLocation]]]:
+    """Group a tensor's chunks into runs stored back to back, uncompressed, in one pack.
+    Raises NotFoundError for a chunk the index does not know."""
+    runs: list[list[tuple[bytes, ChunkLocation]]] = []
+    for cid, loc in chunks:
+        if loc is None:
+            raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; "
+                                "run `datastates fsck`")
+        prev = runs[-1][-1][1] if runs else None
+        if (prev is not None and loc.codec == CODEC_RAW and prev.codec == CODEC_RAW and prev.pack == loc.pack
+                and prev.offset + prev.length == loc.offset):
+            runs[-1].append((cid, loc))
+        else:
+            runs.append([(cid, loc)])
+    return runs

@@ -1,0 +1,263 @@
+"""Pack files: many chunks written sequentially into one immutable file.
+
+Layout (all integers little-endian)::
+
+    b"DSPACK01"                                   8-byte header
+    chunk bodies, back to back                    stored (maybe compressed) bytes
+    index: count x (id 32s, offset Q, length Q, raw_length Q, codec B)
+    footer: index_offset Q, count Q, blake3(index)[:16] 16s, b"DSPKIDX1"
+
+A pack is written as `<id>.pack.tmp`, fsync'd, then renamed to `<id>.pack`;
+a sealed pack is never modified. Leftover `.tmp` files are debris of an
+interrupted save and are removed by `fsck --repair`.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+
+import blake3
+import numpy as np
+
+from ..base.files import fsync_dir, raise_full_or, write_all
+from ..errors import IntegrityError, NotFoundError
+from .chunks import ChunkLocation
+
+HEADER = b"DSPACK01"
+FOOTER_MAGIC = b"DSPKIDX1"
+_ENTRY = struct.Struct("<32sQQQB")
+_FOOTER = struct.Struct("<QQ16s8s")
+
+
+def new_pack_id() -> str:
+    """A fresh pack id: time-ordered prefix so listings sort by age, random suffix."""
+    return f"{time.time_ns():016x}{secrets.token_hex(8)}"
+
+
+_ALIGN = 4096
+_BOUNCE = 1 << 20
+
+
+def aligned_empty(nbytes: int) -> np.ndarray:
+    """A zeroed uint8 array whose data starts on a 4096-byte boundary (for O_DIRECT)."""
+    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
+    off = (-raw.ctypes.data) % _ALIGN
+    return raw[off:off + nbytes]
+
+
+class PackWriter:
+    """Appends chunks to one new pack file; `seal()` makes it durable and visible.
+
+    Writes bypass the page cache (O_DIRECT) where the file system allows it:
+    on hosts that charge for touching new pages, filling the page cache costs
+    more than the disk write itself. Large aligned chunks go straight from the
+    caller's buffer; small ones are gathered in an aligned bounce buffer.
+    Without O_DIRECT (tmpfs, some network file systems) writes are buffered.
+    """
+
+    def __init__(self, directory: Path, max_bytes: int = 1 << 31, direct: bool = True) -> None:
+        self.directory = directory
+        self.id = new_pack_id()
+        self.max_bytes = max_bytes
+        self.path = directory / f"{self.id}.pack"
+        self.tmp = directory / f"{self.id}.pack.tmp"
+        directory.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self.direct = False
+        self._fd = -1
+        if direct and hasattr(os, "O_DIRECT"):
+            try:
+                self._fd = os.open(self.tmp, flags | os.O_DIRECT, 0o644)
+                self.direct = True
+            except OSError:
+                self.tmp.unlink(missing_ok=True)
+        if self._fd < 0:
+            self._fd = os.open(self.tmp, flags, 0o644)
+        self._entries: list[bytes] = []
+        self.size = 0
+        """Logical bytes so far (offset of the next chunk)."""
+        self._bounce = aligned_empty(_BOUNCE) if self.direct else None
+        self._held = 0
+        self._append(HEADER)
+
+    def _raw_write(self, data: memoryview | bytes | np.ndarray) -> None:
+        try:
+            write_all(self._fd, memoryview(data))  # type: ignore[arg-type]
+        except OSError as exc:
+            self.abort()
+            raise_full_or(exc, self.tmp)
+
+    def _append(self, data: memoryview | bytes) -> None:
+        view = memoryview(data).cast("B")
+        if self._bounce is None:
+            self._raw_write(view)
+            self.size += len(view)
+            return
+        pos = 0
+        while pos < len(view):
+            n = min(len(view) - pos, _BOUNCE - self._held)
+            self._bounce[self._held:self._held + n] = np.frombuffer(view[pos:pos + n], dtype=np.uint8)
+            self._held += n
+            pos += n
+            self.size += n
+            if self._held == _BOUNCE:
+                self._raw_write(self._bounce)
+                self._held = 0
+
+    def _pad(self) -> None:
+        """Close the bounce buffer on a 4096 boundary so the next write is aligned."""
+        assert self._bounce is not None
+        if self._held:
+            padded = -(-self._held // _ALIGN) * _ALIGN
+            self._bounce[self._held:padded] = 0
+            self.size += padded - self._held
+            self._raw_write(self._bounce[:padded])
+            self._held = 0
+
+    @property
+    def count(self) -> int:
+        return len(self._entries)
+
+    def add(self, cid: bytes, stored: memoryview | bytes, raw_length: int, codec: int) -> ChunkLocation:
+        """Append one chunk's stored bytes; return where they landed (valid once sealed)."""
+        view = memoryview(stored).cast("B")
+        n = len(view)
+        if self._bounce is not None and n >= (256 << 10) and n % _ALIGN == 0 and _address(view) % _ALIGN == 0:
+            self._pad()
+            offset = self.size
+            self._raw_write(view)
+            self.size += n
+        else:
+            offset = self.size
+            self._append(view)
+        self._entries.append(_ENTRY.pack(cid, offset, n, raw_length, codec))
+        return ChunkLocation(self.id, offset, n, raw_length, codec)
+
+    def seal(self) -> None:
+        """Write the index and footer, fsync, and rename into place.
+
+        Raises StorageFullError when the disk fills; the temp file is removed then.
+        """
+        index = b"".join(self._entries)
+        index_offset = self.size
+        self._append(index)
+        self._append(_FOOTER.pack(index_offset, len(self._entries), blake3.blake3(index).digest()[:16], FOOTER_MAGIC))
+        try:
+            if self._bounce is not None:
+                logical = self.size
+                self._pad()
+                os.ftruncate(self._fd, logical)  # drop the alignment padding after the footer
+                self.size = logical
+            os.fsync(self._fd)
+        except OSError as exc:
+            self.abort()
+            raise_full_or(exc, self.tmp)
+        os.close(self._fd)
+        self._fd = -1
+        os.rename(self.tmp, self.path)
+        fsync_dir(self.directory)
+
+    def abort(self) -> None:
+        """Drop the unfinished pack; nothing of it stays on disk."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.tmp.unlink(missing_ok=True)
+
+
+def _address(view: memoryview) -> int:
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+def read_index(path: Path) -> list[tuple[bytes, ChunkLocation]]:
+    """Read a sealed pack's index; raise IntegrityError if the footer or index is damaged."""
+    pack_id = path.name.removesuffix(".pack")
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        if size < len(HEADER) + _FOOTER.size:
+            raise IntegrityError(f"pack {pack_id} is truncated ({size} bytes); run `datastates fsck --repair`")
+        f.seek(size - _FOOTER.size)
+        index_offset, count, digest, magic = _FOOTER.unpack(f.read(_FOOTER.size))
+        if magic != FOOTER_MAGIC or index_offset + count * _ENTRY.size != size - _FOOTER.size:
+            raise IntegrityError(f"pack {pack_id} has a damaged footer; run `datastates fsck`")
+        f.seek(index_offset)
+        index = f.read(count * _ENTRY.size)
+    if blake3.blake3(index).digest()[:16] != digest:
+        raise IntegrityError(f"pack {pack_id} has a damaged index; run `datastates fsck`")
+    out = []
+    for i in range(count):
+        cid, off, length, raw, codec = _ENTRY.unpack_from(index, i * _ENTRY.size)
+        out.append((cid, ChunkLocation(pack_id, off, length, raw, codec)))
+    return out
+
+
+def list_packs(directory: Path) -> Iterator[Path]:
+    """Sealed pack files in `directory`, oldest first."""
+    if directory.is_dir():
+        yield from sorted(p for p in directory.iterdir() if p.name.endswith(".pack"))
+
+
+class PackReader:
+    """Positional reads from sealed packs, keeping a bounded set of files open."""
+
+    def __init__(self, directory: Path, max_open: int = 64) -> None:
+        self.directory = directory
+        self.max_open = max_open
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _fd(self, pack: str) -> int:
+        with self._lock:
+            fd = self._fds.get(pack)
+            if fd is not None:
+                self._fds.move_to_end(pack)
+                return fd
+            try:
+                fd = os.open(self.directory / f"{pack}.pack", os.O_RDONLY)
+            except FileNotFoundError:
+                raise NotFoundError(
+                    f"pack {pack} is missing from {self.directory}; run `datastates fsck` to see what it held"
+                ) from None
+            self._fds[pack] = fd
+            if len(self._fds) > self.max_open:
+                _, old = self._fds.popitem(last=False)
+                os.close(old)
+            return fd
+
+    def read(self, loc: ChunkLocation) -> bytes:
+        """The stored bytes of a chunk (still encoded)."""
+        data = os.pread(self._fd(loc.pack), loc.length, loc.offset)
+        if len(data) != loc.length:
+            raise IntegrityError(f"pack {loc.pack} is shorter than its index says (offset {loc.offset})")
+        return data
+
+    def read_into(self, loc: ChunkLocation, out: memoryview) -> None:
+        """Read raw (uncompressed) stored bytes straight into `out`."""
+        fd = self._fd(loc.pack)
+        got = os.preadv(fd, [out], loc.offset)
+        while got < loc.length:
+            n = os.preadv(fd, [out[got:]], loc.offset + got)
+            if n == 0:
+                raise IntegrityError(f"pack {loc.pack} is shorter than its index says (offset {loc.offset})")
+            got += n
+
+    def forget(self, pack: str) -> None:
+        """Close a pack's file (before it is deleted)."""
+        with self._lock:
+            fd = self._fds.pop(pack, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

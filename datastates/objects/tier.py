@@ -1,0 +1,159 @@
+"""A tier: one directory holding packs, manifests, version records, refs and logs.
+
+Layout (see docs/format.md)::
+
+    FORMAT                      {"format": 1, ...}    written once, checked on open
+    packs/<pack>.pack           chunk bodies + index
+    manifests/<ab>/<id>.arrow   Arrow IPC manifests
+    versions/<ab>/<id>.json     canonical version records
+    annotations/<ab>/<id>.json  mutable annotations (not part of the id)
+    refs/heads/<name>, refs/tags/<name>, logs/...   refs and their reflogs
+    locks/                      flock files
+    catalog/                    the LMDB index (node-local tiers only)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from pathlib import Path
+
+from ..base.files import replace, write_new
+from ..base.locks import lockfile
+from ..errors import NotFoundError, StoreFormatError
+from .packs import PackReader, PackWriter
+
+FORMAT = 1
+"""The store format number in FORMAT files; a reader refuses a newer one."""
+
+
+class Tier:
+    """One storage level (hot node-local, or cold shared)."""
+
+    def __init__(self, root: Path, name: str = "hot", shared: bool = False) -> None:
+        self.root = root
+        self.name = name
+        self.shared = shared
+        self.reader = PackReader(root / "packs")
+
+    # format ------------------------------------------------------------------
+    def read_format(self) -> dict[str, object] | None:
+        """The FORMAT record, None if this directory is not a store yet.
+
+        Raises StoreFormatError for a store of a newer format or a non-empty non-store directory.
+        """
+        f = self.root / "FORMAT"
+        if not f.exists():
+            if self.root.is_dir() and any(p for p in self.root.iterdir() if not p.name.startswith(".")):
+                raise StoreFormatError(
+                    f"{self.root} is not empty and holds no datastates store (no FORMAT file); pick an empty directory"
+                )
+            return None
+        try:
+            info = json.loads(f.read_text())
+            fmt = int(info["format"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise StoreFormatError(f"{f} is damaged ({exc}); restore it from another tier or a backup") from exc
+        if fmt > FORMAT:
+            raise StoreFormatError(
+                f"store {self.root} has format {fmt}; this datastates reads up to format {FORMAT}: upgrade datastates"
+            )
+        return dict(info)
+
+    def create(self, settings: dict[str, object]) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_new(self.root / "FORMAT", json.dumps({"format": FORMAT, "created": time.time(), **settings},
+                                                    sort_keys=True).encode())
+
+    # objects -------------------------------------------------------------------
+    def _obj(self, kind: str, oid: str, ext: str) -> Path:
+        return self.root / kind / oid[:2] / f"{oid}.{ext}"
+
+    def manifest_path(self, mid: str) -> Path:
+        return self._obj("manifests", mid, "arrow")
+
+    def record_path(self, vid: str) -> Path:
+        return self._obj("versions", vid, "json")
+
+    def annotation_path(self, vid: str) -> Path:
+        return self._obj("annotations", vid, "json")
+
+    def write_manifest(self, mid: str, data: bytes) -> None:
+        write_new(self.manifest_path(mid), data)
+
+    def write_record(self, vid: str, data: bytes) -> None:
+        write_new(self.record_path(vid), data)
+
+    def write_annotations(self, vid: str, data: bytes) -> None:
+        replace(self.annotation_path(vid), data)
+
+    def read_manifest(self, mid: str) -> bytes:
+        try:
+            return self.manifest_path(mid).read_bytes()
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"manifest {mid} is missing from tier {self.name} ({self.root}); run `datastates fsck`") from None
+
+    def read_record(self, vid: str) -> bytes | None:
+        try:
+            return self.record_path(vid).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def iter_ids(self, kind: str, ext: str) -> Iterator[str]:
+        d = self.root / kind
+        if not d.is_dir():
+            return
+        for sub in sorted(d.iterdir()):
+            if sub.is_dir():
+                for p in sorted(sub.iterdir()):
+                    if p.name.endswith(f".{ext}") and not p.name.startswith("."):
+                        yield p.name[: -len(ext) - 1]
+
+    def new_pack(self) -> PackWriter:
+        return PackWriter(self.root / "packs")
+
+    def pack_path(self, pack: str) -> Path:
+        return self.root / "packs" / f"{pack}.pack"
+
+    def leftovers(self) -> list[Path]:
+        """Temp files of interrupted writes (safe to delete when no save is running)."""
+        out: list[Path] = []
+        for sub in ("packs", "manifests", "versions", "annotations", "refs", "tmp"):
+            d = self.root / sub
+            if d.is_dir():
+                out.extend(p for p in d.rglob("*") if p.is_file() and p.name.endswith(".tmp"))
+        return sorted(out)
+
+    @contextmanager
+    def _flock(self, mode: int) -> Iterator[None]:
+        path = self.root / "locks" / "writers.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, mode)
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def writing(self) -> AbstractContextManager[None]:
+        """Held (shared) by every save in flight, so fsck/gc never delete a half-written save's files."""
+        return self._flock(fcntl.LOCK_SH)
+
+    def exclusive(self) -> AbstractContextManager[None]:
+        """Held by fsck --repair and gc: waits for saves in flight, keeps new ones out."""
+        return self._flock(fcntl.LOCK_EX)
+
+    def sweep_lock(self) -> AbstractContextManager[None]:
+        """The shared tier's lock between deleting and publishing: a cold-tier gc holds it while it
+        decides and deletes; a flusher holds it while it checks that a version's packs are there and
+        writes its manifests and record. So no version appears naming a pack being deleted."""
+        return lockfile(self.root / "locks" / "sweep.lockfile")
+
+    def close(self) -> None:
+        self.reader.close()

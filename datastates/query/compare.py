@@ -1,0 +1,225 @@
+"""Tensor-level comparison of versions, and a tensor's history across versions.
+
+`diff` streams chunk by chunk: chunks with equal ids are never read, and at
+most one chunk per side is in memory, so two 10 GB versions diff in a few MiB.
+The dot product behind the cosine comes from the stored norms and the norm of
+the change: a.b = (|a|^2 + |b|^2 - |b-a|^2) / 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import math
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import torch
+
+from ..errors import NotFoundError
+from ..objects.chunks import spans
+from ..repo.reader import load
+from ..repo.repository import Repository, as_repository
+from ..save.manifest import Manifest
+from ..save.tree import dtype_from_name
+from .lineage import ancestors
+
+if TYPE_CHECKING:
+    from ..meta.versions import Version
+
+DIFF_SCHEMA = pa.schema([
+    ("key", pa.string()), ("status", pa.string()),
+    ("dtype_a", pa.string()), ("dtype_b", pa.string()),
+    ("shape_a", pa.list_(pa.int64())), ("shape_b", pa.list_(pa.int64())),
+    ("l2_change", pa.float64()), ("rel_change", pa.float64()), ("cosine", pa.float64()),
+    ("max_abs_diff", pa.float64()), ("chunks_shared", pa.int64()), ("chunks_total", pa.int64()),
+    ("bytes_shared", pa.int64()),
+])
+
+
+def _as_float(raw: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
+    t = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype) if len(raw) else torch.empty(0, dtype=dtype)
+    if t.is_complex():
+        t = torch.view_as_real(t).reshape(-1)
+    if t.dtype == torch.bool:
+        t = t.view(torch.uint8)
+    return t.to(torch.float64)
+
+
+def _rows(m: Manifest, keys: list[str] | None) -> dict[str, dict[str, Any]]:
+    out = {}
+    for r in m.rows:
+        if r["kind"] == "storage":
+            continue
+        if keys and not any(fnmatch.fnmatchcase(r["key"], k) or r["key"] == k or r["key"].startswith(k + ".")
+                            for k in keys):
+            continue
+        out[r["key"]] = r
+    return out
+
+
+def _tensor_row(m: Manifest, r: dict[str, Any]) -> dict[str, Any] | None:
+    """The row holding a tensor's own bytes (an alias points at its base); None for views."""
+    if r["kind"] == "alias":
+        return m.rows[r["base"]]
+    return r if r["kind"] == "tensor" else None
+
+
+def diff(store: Repository, a: Any, b: Any, keys: list[str] | None = None) -> pa.Table:
+    """One row per key of either version: status, L2 of the change, relative change, cosine,
+    max abs difference, chunks and bytes shared. Raises NotFoundError, PrunedError."""
+    store = as_repository(store)
+    va, vb = store.version(a), store.version(b)
+    ma, mb = store.manifest_of(va), store.manifest_of(vb)
+    if isinstance(keys, str):  # one glob, not its characters
+        keys = [keys]
+    ra, rb = _rows(ma, keys), _rows(mb, keys)
+    out: list[dict[str, Any]] = []
+    for key in sorted(set(ra) | set(rb)):
+        x, y = ra.get(key), rb.get(key)
+        row: dict[str, Any] = {"key": key, "dtype_a": x and x["dtype"], "dtype_b": y and y["dtype"],
+                               "shape_a": x and x["shape"], "shape_b": y and y["shape"]}
+        if x is None or y is None:
+            row["status"] = "added" if x is None else "removed"
+            out.append(row)
+            continue
+        if x["dtype"] != y["dtype"] or x["shape"] != y["shape"]:
+            row["status"] = "dtype_or_shape_changed"
+            out.append(row)
+            continue
+        tx, ty = _tensor_row(ma, x), _tensor_row(mb, y)
+        if tx is None or ty is None:
+            row["status"] = "same" if x == y else "changed"
+            out.append(row)
+            continue
+        row.update(_compare(store, ma, tx, mb, ty))
+        out.append(row)
+    return pa.Table.from_pylist(out, schema=DIFF_SCHEMA)
+
+
+def _compare(store: Repository, ma: Manifest, x: dict[str, Any], mb: Manifest, y: dict[str, Any]) -> dict[str, Any]:
+    dtype = dtype_from_name(x["dtype"])
+    shared = shared_bytes = 0
+    sq = 0.0
+    max_abs = 0.0
+    if ma.chunk_size == mb.chunk_size:
+        pairs = list(zip(x["chunks"], y["chunks"]))
+        parts = spans(x["nbytes"], ma.chunk_size)
+        for (ca, cb), (s, e) in zip(pairs, parts):
+            if ca == cb:
+                shared += 1
+                shared_bytes += e - s
+                continue
+            d = _as_float(store.read_chunk(cb, x["key"]), dtype) - _as_float(store.read_chunk(ca, x["key"]), dtype)
+            sq, max_abs = _accumulate(d, sq, max_abs)
+    else:
+        # Different chunk sizes: compare byte ranges, reading both sides chunk by chunk.
+        for s, e in spans(x["nbytes"], min(ma.chunk_size, mb.chunk_size)):
+            d = _as_float(_range(store, mb, y, s, e), dtype) - _as_float(_range(store, ma, x, s, e), dtype)
+            sq, max_abs = _accumulate(d, sq, max_abs)
+    na, nb = x.get("l2"), y.get("l2")
+    l2 = math.sqrt(sq)
+    total = len(x["chunks"])
+    status = "same" if shared == total and x["chunks"] == y["chunks"] else "changed"
+    cosine = rel = None
+    if na is not None and nb is not None:
+        rel = l2 / na if na > 0 else (0.0 if l2 == 0 else math.inf)
+        if na > 0 and nb > 0:
+            cosine = max(-1.0, min(1.0, (na * na + nb * nb - sq) / (2 * na * nb)))
+    return {"status": status, "l2_change": l2, "rel_change": rel, "cosine": cosine, "max_abs_diff": max_abs,
+            "chunks_shared": shared, "chunks_total": total, "bytes_shared": shared_bytes}
+
+
+def _accumulate(d: torch.Tensor, sq: float, max_abs: float) -> tuple[float, float]:
+    if d.numel():
+        d = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0)
+        sq += float(torch.dot(d, d))
+        max_abs = max(max_abs, float(d.abs().max()))
+    return sq, max_abs
+
+
+def _range(store: Repository, m: Manifest, r: dict[str, Any], start: int, end: int) -> bytes:
+    out = bytearray()
+    for i, (s, e) in enumerate(spans(r["nbytes"], m.chunk_size)):
+        if e <= start or s >= end:
+            continue
+        data = store.read_chunk(r["chunks"][i], r["key"])
+        out += data[max(start - s, 0): min(end, e) - s]
+    return bytes(out)
+
+
+HISTORY_SCHEMA = pa.schema([
+    ("version", pa.string()), ("step", pa.int64()), ("created", pa.float64()), ("dtype", pa.string()),
+    ("shape", pa.list_(pa.int64())), ("min", pa.float64()), ("max", pa.float64()), ("mean", pa.float64()),
+    ("std", pa.float64()), ("l2", pa.float64()), ("nan_count", pa.int64()), ("inf_count", pa.int64()),
+    ("chunks_changed", pa.int64()), ("l2_delta", pa.float64()),
+])
+
+
+def history_versions(store: Repository, ref: Any) -> list[Version]:
+    """The first-parent chain ending at `ref`, oldest first, without pruned versions."""
+    store = as_repository(store)
+    start = store.resolve(ref)
+    chain = [start] + ancestors(store.graph, start, first_parent=True)
+    return [v for v in (store.version(x) for x in reversed(chain)) if not v.pruned]
+
+
+def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
+    """A tensor's stored statistics along the first-parent chain of `ref`, oldest first.
+
+    Reads manifests only, never tensor bytes. Versions without `key` are skipped.
+    Raises NotFoundError naming close keys when no version of the chain has `key` (a typo
+    would otherwise read as an empty history).
+    """
+    store = as_repository(store)
+    rows: list[dict[str, Any]] = []
+    prev: dict[str, Any] | None = None
+    chain = history_versions(store, ref)
+    for v in chain:
+        m = store.manifest_of(v)
+        i = m.index.get(key)
+        if i is None:
+            continue
+        r = m.rows[i]
+        tr = _tensor_row(m, r) or r
+        changed = None if prev is None else sum(
+            1 for j, c in enumerate(tr["chunks"]) if j >= len(prev["chunks"]) or prev["chunks"][j] != c)
+        l2_delta = None if prev is None or prev["l2"] is None or tr["l2"] is None else tr["l2"] - prev["l2"]
+        rows.append({"version": v.id, "step": v.step, "created": v.created, "dtype": r["dtype"], "shape": r["shape"],
+                     **{f: tr[f] for f in ("min", "max", "mean", "std", "l2", "nan_count", "inf_count")},
+                     "chunks_changed": changed, "l2_delta": l2_delta})
+        prev = tr
+    if not rows and chain:
+        keys = list(store.manifest_of(chain[-1]).index)
+        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+        hint = f"did you mean {', '.join(repr(k) for k in close)}? " if close else ""
+        raise NotFoundError(f"no version in the first-parent chain of {ref!r} has a tensor {key!r}; {hint}"
+                            f"`datastates ls {ref}` lists its keys")
+    return pa.Table.from_pylist(rows, schema=HISTORY_SCHEMA)
+
+
+def history_values(store: Repository, key: str, ref: Any = "main") -> Iterator[tuple[Version, torch.Tensor]]:
+    """Yield (version, tensor) along the first-parent chain, loading one tensor at a time."""
+    store = as_repository(store)
+    for v in history_versions(store, ref):
+        if key in store.manifest_of(v).index:
+            state = load(store, v, keys=[key])
+            node: Any = state
+            for part in _path_in(state, key):
+                node = node[part]
+            yield v, node
+
+
+def _path_in(state: Any, key: str) -> list[Any]:
+    """The container keys leading to `key` in a partial state (keys may themselves hold dots)."""
+    path: list[Any] = []
+    node = state
+    rest = key
+    while rest:
+        items = list(node.items()) if isinstance(node, dict) else list(enumerate(node))
+        assert len(items) == 1, "a partial load holds exactly one path"
+        k, node = items[0]
+        path.append(k)
+        rest = rest[len(str(k)) + 1:]
+    return path

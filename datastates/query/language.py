@@ -1,0 +1,136 @@
+"""A small query language over version metadata, evaluated vectorized on Arrow.
+
+    q = parse("hparams.lr > 1e-3 and tag = 'best' order by metrics.loss asc limit 5")
+    rows = q.apply(table, lineage=store_lineage)
+
+Grammar (keywords, bare field names and namespace prefixes are case-insensitive):
+
+    query      := [or_expr] ["order" "by" key ("," key)*] ["limit" INT]
+    or_expr    := and_expr ("or" and_expr)*
+    and_expr   := not_expr ("and" not_expr)*
+    not_expr   := "not" not_expr | "(" or_expr ")" | lineage | predicate
+    lineage    := ("ancestor_of" | "descendant_of") "(" STRING ")"
+    predicate  := field ( OP value
+                        | ["not"] "in" "(" value ("," value)* ")"
+                        | ["not"] "like" STRING
+                        | "is" ["not"] "null" )
+    key        := field ["asc" | "desc"]
+    OP         := "=" | "==" | "!=" | "<>" | "<" | "<=" | ">" | ">="
+    value      := NUMBER | STRING | "true" | "false"
+
+Fields are the bare names in `BARE_FIELDS` or `hparams.<name>`, `metrics.<name>`,
+`annotations.<name>`, `explore.old.<name>` / `explore.new.<name>` (a PBT explore's
+hyperparameter change); backquote a name with spaces: `` `hparams.weird name` ``.
+Unknown namespaced names are not errors: they read as null, because different
+runs log different hyperparameters.
+
+Semantics are SQL's three-valued logic; a row is selected only where the filter
+is true. `x in (a, b)` means exactly `x = a or x = b`. The literal `null` is only
+allowed after `is` / `is not`, since `x = null` is never true in SQL and is almost
+always a mistake for `x is null`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
+
+import pyarrow as pa
+
+from ..errors import QueryError
+from .evaluate import _Evaluator, _sort_indices
+from .parser import _Parser
+from .syntax import (
+    BARE_FIELDS,
+    NAMESPACES,
+    And,
+    Compare,
+    InList,
+    IsNull,
+    Like,
+    Lineage,
+    LineageFn,
+    Node,
+    Not,
+    Or,
+    Value,
+    _walk,
+)
+
+__all__ = [
+    "BARE_FIELDS", "NAMESPACES", "And", "Compare", "InList", "IsNull", "Like", "Lineage", "LineageFn", "Node",
+    "Not", "Or", "Query", "Value", "parse",
+]
+
+
+
+# --------------------------------------------------------------------------- query
+
+
+@dataclass(frozen=True)
+class Query:
+    """A parsed query: an optional filter, sort keys and a row limit.
+
+    `order_by` holds `(field, descending)` pairs; `text` is the source, kept so
+    that evaluation errors can point into it.
+    """
+
+    where: Node | None = None
+    order_by: list[tuple[str, bool]] = dataclass_field(default_factory=list)
+    limit: int | None = None
+    text: str = dataclass_field(default="", compare=False)
+
+    def fields(self) -> set[str]:
+        """The field names the query reads (filter and sort keys), as written in the
+        query: `tag` stands for the `tags` column. Lineage predicates also read `id`,
+        which is not listed; see `lineage_refs`."""
+        names = {n.field for n in _walk(self.where) if isinstance(n, (Compare, InList, Like, IsNull))}
+        return names | {name for name, _ in self.order_by}
+
+    def lineage_refs(self) -> list[tuple[str, str]]:
+        """The `(kind, ref)` of every lineage predicate, in source order, without repeats."""
+        refs = [(n.kind, n.ref) for n in _walk(self.where) if isinstance(n, Lineage)]
+        return list(dict.fromkeys(refs))
+
+    def apply(self, table: pa.Table, lineage: LineageFn | None = None) -> pa.Table:
+        """The rows of `table` where the filter is true, sorted and limited; all columns.
+
+        `lineage(kind, ref)` must return the ids selected by a lineage predicate; it is
+        called once per distinct predicate. Missing columns read as all-null.
+        Raises QueryError when the query has lineage predicates and `lineage` is None,
+        or when a column has a type queries cannot compare (e.g. a list column).
+        """
+        if lineage is None:
+            used = next((n for n in _walk(self.where) if isinstance(n, Lineage)), None)
+            if used is not None:
+                raise QueryError(f"{used.kind}() needs a lineage resolver, but none was given", self.text, used.offset)
+        result = table
+        if self.where is not None:
+            mask = _Evaluator(table, lineage, self.text).eval(self.where)
+            result = table.filter(mask, null_selection_behavior="drop")
+        if self.order_by:
+            indices = _sort_indices(result, self.order_by)
+            if self.limit is not None:
+                indices = indices.slice(0, self.limit)
+            return result.take(indices)
+        if self.limit is not None:
+            result = result.slice(0, self.limit)
+        return result
+
+
+def parse(text: str) -> Query:
+    """Parse a query string. An empty (or all-blank) query selects every row.
+
+    Raises QueryError with `.offset` at the token where parsing failed and a
+    message naming what was expected there.
+    """
+    try:
+        where, order_by, limit = _Parser(text).parse_query()
+        return Query(where, order_by, limit, text)
+    except RecursionError:
+        raise QueryError("query nests too deeply", text, 0) from None
+
+
+# --------------------------------------------------------------------------- lexer
+
+

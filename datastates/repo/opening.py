@@ -1,0 +1,97 @@
+"""Opening a store directory: one tier, or a hot node-local tier over a cold shared one, with the
+settings kept in the cold tier's config.toml. Builds the Repository; starts no threads."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from ..base import config as tier_config
+from ..base.config import Flush, TierConfig
+from ..errors import InvalidArgumentError, NotFoundError
+from ..meta.catalog import Catalog
+from ..objects.chunks import DEFAULT_CHUNK_SIZE
+from ..objects.object_store import ObjectStore
+from ..objects.tier import Tier
+from .repository import Repository
+
+log = logging.getLogger("datastates")
+
+
+def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: int | None, verify: bool,
+                    hot: str | os.PathLike[str] | None, hot_capacity: str | int | None, flush: Flush | None,
+                    promote: bool | None) -> tuple[Repository, bool, bool]:
+    """The repository at `path`, created if missing and `create`. Returns (repository, whether its
+    catalog must be rebuilt from the tier files, whether the cold tier is reachable).
+
+    Raises StoreFormatError (newer format, non-store directory), NotFoundError (nothing there and
+    not `create`), InvalidArgumentError (chunk size).
+    """
+    if chunk_size is not None:
+        check_chunk_size(chunk_size)
+    root = Path(path).expanduser()
+    try:
+        saved = tier_config.load(root)
+    except OSError:
+        saved = None  # cold unreachable: go on with what the caller gave
+    hot_dir = hot if hot is not None else (saved.hot if saved else None)
+    if hot_dir is None:
+        tier = Tier(root)
+        info = tier.read_format()
+        if info is None:
+            if not create:
+                raise _no_store(root)
+            tier.create({"chunk_size": chunk_size or DEFAULT_CHUNK_SIZE})
+            info = tier.read_format() or {}
+        size = int(chunk_size or info.get("chunk_size", DEFAULT_CHUNK_SIZE))  # type: ignore[call-overload]
+        check_chunk_size(size)
+        had_catalog = (root / "catalog" / "data.mdb").exists()
+        catalog = Catalog(root / "catalog")
+        repo = Repository(ObjectStore(tier, None, catalog, verify=verify), catalog, chunk_size=size)
+        rebuild = not had_catalog and next(tier.iter_ids("versions", "json"), None) is not None
+        return repo, rebuild, False
+    cfg = TierConfig(hot=str(Path(hot_dir).expanduser()),
+                     hot_capacity=tier_config.parse_size(hot_capacity) if hot_capacity is not None
+                     else (saved.hot_capacity if saved else None),
+                     flush=flush or (saved.flush if saved else Flush()),
+                     promote=promote if promote is not None else (saved.promote if saved else True))
+    hot_tier = Tier(Path(cfg.hot or ""), "hot")
+    cold_tier = Tier(root, "cold", shared=True)
+    hot_info = hot_tier.read_format()
+    try:
+        cold_info = cold_tier.read_format()
+        cold_ok = True
+    except OSError:
+        cold_info, cold_ok = None, False
+    if cold_info is None and hot_info is not None and not root.exists():
+        cold_ok = False  # the shared file system is not mounted: keep saving on hot
+    if hot_info is None and cold_info is None and not create:
+        raise _no_store(root)
+    settings = {"chunk_size": chunk_size or int((cold_info or hot_info or {}).get(  # type: ignore[call-overload]
+        "chunk_size", DEFAULT_CHUNK_SIZE))}
+    if cold_ok and cold_info is None:
+        cold_tier.create(settings)
+    if hot_info is None:
+        hot_tier.create(settings)
+    if cold_ok and (saved is None or saved != cfg):
+        tier_config.save(root, cfg)
+    size = int(settings["chunk_size"])
+    check_chunk_size(size)
+    had_catalog = (hot_tier.root / "catalog" / "data.mdb").exists()
+    catalog = Catalog(hot_tier.root / "catalog")
+    objects = ObjectStore(hot_tier, cold_tier, catalog, verify=verify, promote=cfg.promote,
+                          hot_capacity=cfg.hot_capacity)
+    repo = Repository(objects, catalog, chunk_size=size, tiering=cfg, root=root)
+    rebuild = not had_catalog and any(next(t.iter_ids("versions", "json"), None) for t in repo.tiers)
+    return repo, rebuild, cold_ok
+
+
+def check_chunk_size(size: int) -> None:
+    if size <= 0 or size % 64:
+        raise InvalidArgumentError(f"chunk_size {size} must be a positive multiple of 64 bytes")
+
+
+def _no_store(root: Path) -> NotFoundError:
+    return NotFoundError(f"no store at {root}; create one with `datastates init --store {root}` "
+                         "(in Python: Store.open(path, create=True))")

@@ -1,0 +1,164 @@
+"""Loading: a version's manifest back into the saved state, tensors bit-exact, and `checkout`
+into live objects. Reads go through the object store (verified, across tiers)."""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Iterable
+from concurrent.futures import Executor
+from typing import Any
+
+import torch
+
+from ..errors import DeviceError, IntegrityError, InvalidNameError, NotFoundError, ShapeMismatchError
+from ..meta.versions import Version
+from ..save.manifest import Manifest
+from ..save.tree import SKIP, dtype_from_name, unflatten
+from .repository import Repository
+
+ALIASES = {"optimizer": ("optim", "opt"), "optim": ("optimizer", "opt"), "scheduler": ("lr_scheduler", "sched"),
+           "lr_scheduler": ("scheduler", "sched"), "scaler": ("grad_scaler",)}
+
+
+def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
+         allow_pickle: bool = False, rank: int = 0, executor: Executor | None = None) -> Any:
+    """The saved state, rebuilt with the same container types; tensors bit-exact.
+
+    `keys` selects key paths (exact, a prefix ending at a '.', or a glob).
+    Raises NotFoundError (ref, key), PrunedError, IntegrityError,
+    UnsupportedValueError (pickle without allow_pickle), DeviceError (before reading anything).
+    """
+    repo.check_open()
+    dev = usable_device(device)
+    v = repo.version(ref)
+    m = repo.manifest_of(v, rank)
+    select = None
+    if keys is not None:
+        select = _key_selector([keys] if isinstance(keys, str) else list(keys), _tree_paths(m.tree), v)
+    rows = m.rows
+    wanted: list[int] = []
+
+    def want(i: int) -> None:
+        r = rows[i]
+        if r["kind"] in ("alias", "view"):
+            want(r["base"])
+        if i not in wanted:
+            wanted.append(i)
+
+    for i, r in enumerate(rows):
+        if r["kind"] != "storage" and (select is None or select(r["key"])):
+            want(i)
+    loaded = _read_rows(repo, m, [i for i in wanted if rows[i]["kind"] in ("tensor", "storage")], executor)
+    out: dict[int, torch.Tensor] = {}
+    for i in wanted:
+        r = rows[i]
+        if r["kind"] in ("tensor", "storage"):
+            out[i] = loaded[i].to(dev) if dev.type != "cpu" else loaded[i]
+        elif r["kind"] == "alias":
+            out[i] = out[r["base"]]
+        else:
+            dt = dtype_from_name(r["dtype"])
+            out[i] = torch.empty(0, dtype=dt, device=dev).set_(
+                out[r["base"]].untyped_storage(), r["offset"], r["shape"], r["stride"])
+    return unflatten(m.tree, lambda i: out.get(i, SKIP), allow_pickle, select=select)
+
+
+def _read_rows(repo: Repository, m: Manifest, rows: list[int], executor: Executor | None) -> dict[int, torch.Tensor]:
+    total = sum(m.rows[i]["nbytes"] for i in rows)
+    if executor is not None and len(rows) > 1 and total > 8 << 20:
+        return dict(zip(rows, executor.map(lambda i: read_row(repo, m, i), rows)))
+    return {i: read_row(repo, m, i) for i in rows}
+
+
+def read_row(repo: Repository, m: Manifest, i: int) -> torch.Tensor:
+    """Tensor row `i` of manifest `m`, read and verified. Raises IntegrityError, NotFoundError."""
+    r = m.rows[i]
+    out = torch.empty(r["shape"], dtype=dtype_from_name(r["dtype"]))
+    flat = out.reshape(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
+    if flat.numel() != r["nbytes"]:
+        raise IntegrityError(f"tensor {r['key']!r} in manifest {m.id[:12]}: {r['nbytes']} bytes stored for "
+                             f"dtype {r['dtype']} shape {r['shape']}; run `datastates fsck`")
+    repo.objects.read_chunks_into(r["chunks"], flat.numpy(), r["key"])
+    return out
+
+
+def checkout(repo: Repository, ref: Any, objects: dict[str, Any], *, strict: bool = True,
+             allow_pickle: bool = False, executor: Executor | None = None) -> Version:
+    """Load `ref` into live objects ({"model": m, "optimizer": opt}); nothing changes unless all fit.
+
+    Each name is a top-level key of the saved state (with the usual aliases: optimizer/optim,
+    scheduler/lr_scheduler). Raises NotFoundError naming the missing key and the keys that exist,
+    ShapeMismatchError naming the first tensor whose shape differs.
+    """
+    v = repo.version(ref)
+    names = {}
+    top = repo.manifest_of(v).tree
+    keys = top.get("k", []) if top["t"] in ("dict", "odict") else []
+    for name in objects:
+        key = next((k for k in (name, *ALIASES.get(name, ())) if k in keys), None)
+        if key is None:
+            raise NotFoundError(f"version {v.short} has no key {name!r} (top-level keys: {keys}); "
+                                "pass the objects under the names they were saved with")
+        names[name] = key
+    state = load(repo, v, keys=list(names.values()), allow_pickle=allow_pickle, executor=executor)
+    for name, obj in objects.items():  # check everything first: a failed checkout changes nothing
+        if isinstance(obj, torch.nn.Module):
+            _check_shapes(name, state[names[name]], obj.state_dict(), v)
+    for name, obj in objects.items():
+        sd = state[names[name]]
+        if isinstance(obj, torch.nn.Module):
+            obj.load_state_dict(sd, strict=strict)
+        else:
+            obj.load_state_dict(sd)
+    return v
+
+
+def usable_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device this process can allocate on; DeviceError otherwise."""
+    try:
+        dev = torch.device(device)
+        if dev.type != "cpu":
+            torch.empty(0, device=dev)  # the one reliable probe: an unknown index, a missing backend
+    except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+        raise DeviceError(f"cannot load onto device {device!r}: {str(exc).splitlines()[0]}; "
+                          "pass device='cpu' (the default) or a device this process has") from exc
+    return dev
+
+
+def _check_shapes(name: str, saved: Any, live: dict[str, Any], v: Version) -> None:
+    """Raise ShapeMismatchError naming the first tensor whose saved shape differs from the live one."""
+    for key, t in live.items():
+        s = saved.get(key) if isinstance(saved, dict) else None
+        if isinstance(t, torch.Tensor) and isinstance(s, torch.Tensor) and tuple(s.shape) != tuple(t.shape):
+            raise ShapeMismatchError(
+                f"{name}.{key} is {tuple(s.shape)} in version {v.short} but {tuple(t.shape)} in the live object; "
+                "build the object with the saved architecture, or load the state and map it yourself"
+            )
+
+
+def _tree_paths(node: dict[str, Any], path: str = "") -> list[str]:
+    """Every key path in a state skeleton: leaves and containers (a scheduler's subtree has no tensor)."""
+    out = [path] if path else []
+    t = node["t"]
+    if t in ("dict", "odict"):
+        for k, child in zip(node["k"], node["v"]):
+            out += _tree_paths(child, f"{path}.{k}" if path else str(k))
+    elif t in ("list", "tuple"):
+        for i, child in enumerate(node["v"]):
+            out += _tree_paths(child, f"{path}.{i}" if path else str(i))
+    return out
+
+
+def _key_selector(keys: list[str], existing: list[str], v: Version) -> Any:
+    pats = []
+    for k in keys:
+        if not isinstance(k, str) or not k:
+            raise InvalidNameError(f"key {k!r} must be a non-empty string path like 'model.fc.weight'")
+        if not any(e == k or e.startswith(k + ".") or fnmatch.fnmatchcase(e, k) for e in existing):
+            raise NotFoundError(f"version {v.short} has no key {k!r}; `datastates ls {v.short}` lists its keys")
+        pats.append(k)
+
+    def select(path: str) -> bool:
+        return any(path == k or path.startswith(k + ".") or fnmatch.fnmatchcase(path, k) for k in pats)
+
+    return select

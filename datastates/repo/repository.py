@@ -1,0 +1,294 @@
+"""The repository: an object store, a catalog and refs tied together (dulwich's `Repo`).
+
+This is what the query side and maintenance work on: it resolves refs to
+version ids, reads version records and manifests, names the packs a version
+needs and which tiers hold it whole, and writes annotations. It has no save
+engine and no background threads; `Store` wires one around it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+from ..base.config import TierConfig
+from ..base.files import canonical_json
+from ..errors import AmbiguousRefError, ConflictError, NotFoundError, PrunedError, StoreClosedError
+from ..meta.catalog import Catalog
+from ..meta.graph import CatalogGraph
+from ..meta.refs import HEX_ID, RefStore, check_name
+from ..meta.versions import Version, decode_record, plain_json
+from ..objects.object_store import ObjectStore
+from ..objects.tier import Tier
+from ..save.job import SaveHandle
+from ..save.manifest import Manifest
+
+log = logging.getLogger("datastates")
+_REF_SUFFIX = re.compile(r"^(.*?)((?:~\d*|\^)+)$")
+
+
+class Repository:
+    """Objects + catalog + refs of one store. Refs live on the hot tier (the only one without tiers);
+    the cold tier's refs are what other hosts see, published by the flusher."""
+
+    def __init__(self, objects: ObjectStore, catalog: Catalog, *, chunk_size: int,
+                 tiering: TierConfig | None = None, root: Path | None = None) -> None:
+        self.objects = objects
+        self.catalog = catalog
+        self.chunk_size = chunk_size
+        self.tiering = tiering or TierConfig()
+        self.root = root or objects.hot.root
+        self.refs = RefStore(objects.hot.root, shared=objects.hot.shared)
+        """Branches and tags as this process sees and moves them."""
+        self.cold_refs = None if objects.cold is None else RefStore(objects.cold.root, shared=True)
+        """The shared tier's refs (None without tiers)."""
+        self.closed = False
+        self.owner: Any = None
+        """The object users hold for this repository (the Store), handed to retention protectors."""
+        self._manifests: dict[str, Manifest] = {}
+
+    # the parts, by the names maintenance code uses -------------------------------------
+    @property
+    def tier(self) -> Tier:
+        """The tier saves write to (the hot tier when there are two)."""
+        return self.objects.hot
+
+    @property
+    def hot(self) -> Tier:
+        return self.objects.hot
+
+    @property
+    def cold(self) -> Tier | None:
+        return self.objects.cold
+
+    @property
+    def tiers(self) -> list[Tier]:
+        return self.objects.tiers
+
+    @property
+    def verify(self) -> bool:
+        return self.objects.verify
+
+    @property
+    def path(self) -> Path:
+        """The store directory the user opened (the cold tier when there are two)."""
+        return self.root
+
+    def refs_on(self, tier: Tier) -> RefStore:
+        """The refs kept on `tier`."""
+        if tier is self.objects.hot:
+            return self.refs
+        if tier is self.objects.cold and self.cold_refs is not None:
+            return self.cold_refs
+        return RefStore(tier.root, shared=tier.shared)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise StoreClosedError(f"store {self.path} is closed; open it again with Store.open")
+
+    # refs -------------------------------------------------------------------------------
+    def resolve(self, ref: Any) -> str:
+        """The full version id named by `ref`: an id, a unique prefix (>= 6 hex), a branch, a tag, `REF~N`.
+
+        Raises NotFoundError, AmbiguousRefError.
+        """
+        if isinstance(ref, Version):
+            return ref.id
+        if isinstance(ref, SaveHandle):
+            return ref.result().id
+        if not isinstance(ref, str) or not ref:
+            raise NotFoundError(f"ref {ref!r} is not a string; give a version id, branch or tag")
+        m = _REF_SUFFIX.match(ref)
+        if m and m.group(1):
+            base, suffix = m.group(1), m.group(2)
+            n = sum(int(x) if x else 1 for x in re.findall(r"~(\d*)", suffix)) + suffix.count("^")
+            vid = self.resolve(base)
+            for i in range(n):
+                parents = self.parents(vid)
+                if not parents:
+                    raise NotFoundError(
+                        f"{ref} goes past the root: {base} has only {i + 1} version(s) in its first-parent chain")
+                vid = parents[0]
+            return vid
+        if HEX_ID.match(ref) and self.catalog.record(ref) is not None:
+            return ref
+        for kind in ("branch", "tag"):
+            found_ref = self.refs.get(kind, ref)  # type: ignore[arg-type]
+            if found_ref is not None:
+                return found_ref
+        if re.fullmatch(r"[0-9a-f]{6,64}", ref):
+            found = self.catalog.ids_with_prefix(ref, limit=5)
+            if len(found) == 1:
+                return found[0]
+            if found:
+                raise AmbiguousRefError(
+                    f"prefix {ref!r} matches several versions ({', '.join(f[:12] for f in found)}...); give more digits"
+                )
+        elif re.fullmatch(r"[0-9a-f]{1,5}", ref):
+            raise NotFoundError(f"ref {ref!r} is too short to be an id prefix (6 hex digits at least)")
+        raise NotFoundError(
+            f"ref {ref!r} is not a branch, tag or version id; `datastates log` lists versions, "
+            "`datastates branch` the branches, `datastates tag` the tags"
+        )
+
+    def branches(self) -> dict[str, str]:
+        return self.refs.names("branch")
+
+    def tags(self) -> dict[str, str]:
+        return self.refs.names("tag")
+
+    def create_branch(self, name: str, at: Any = "main", *, force: bool = False) -> str:
+        """Create branch `name` at `at`; with force, move an existing one (logged). Returns the id.
+
+        Raises InvalidNameError, NotFoundError, ConflictError (exists, without force).
+        """
+        check_name(name, "branch")
+        vid = self.resolve(at)
+        if force:
+            with self.refs.locked():
+                old = self.refs.get("branch", name)
+                self.refs.set_if_equals("branch", name, old, vid, f"branch -f {label(at)}", locked=True)
+        else:
+            self.refs.add_if_new("branch", name, vid, f"branch at {label(at)}")
+        return vid
+
+    def create_tag(self, name: str, ref: Any = "main", message: str = "") -> str:
+        """Create an immutable tag. Raises InvalidNameError, NotFoundError, ConflictError (exists)."""
+        check_name(name, "tag")
+        vid = self.resolve(ref)
+        self.refs.add_if_new("tag", name, vid, message or f"tag {label(ref)}")
+        return vid
+
+    def delete_ref(self, kind: str, name: str) -> str:
+        """Delete a branch or tag here and on cold (else the next open's refresh would bring it back).
+        Returns the id it named. Raises NotFoundError."""
+        vid = self.refs.remove_if_equals(kind, name, message="delete")  # type: ignore[arg-type]
+        if self.cold_refs is not None:
+            try:
+                self.cold_refs.remove_if_equals(kind, name, vid, message="delete")  # type: ignore[arg-type]
+            except (NotFoundError, ConflictError):
+                pass  # absent on cold, or another host moved it there: theirs to keep
+            except OSError as exc:
+                log.warning("could not delete %s %r on cold (%s); it may come back at the next open", kind, name, exc)
+        return vid
+
+    # versions ---------------------------------------------------------------------------
+    def version(self, ref: Any) -> Version:
+        """The Version named by `ref` (with its annotations). Raises NotFoundError."""
+        vid = self.resolve(ref)
+        data = self.catalog.record(vid)
+        if data is None:
+            raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
+        extra = self.catalog.extra(vid)
+        return decode_record(vid, data, annotations=self.catalog.annotations(vid),
+                             timings=extra.get("timings", {}), pruned=bool(extra.get("pruned")))
+
+    def parents(self, vid: str) -> list[str]:
+        data = self.catalog.record(vid)
+        if data is None:
+            raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
+        return list(json.loads(data).get("parents", []))
+
+    @property
+    def graph(self) -> CatalogGraph:
+        return CatalogGraph(self.catalog)
+
+    # manifests and chunks ---------------------------------------------------------------
+    def manifest(self, mid: str) -> Manifest:
+        """Manifest `mid`, verified (cached). Raises NotFoundError, IntegrityError."""
+        m = self._manifests.get(mid)
+        if m is None:
+            m = Manifest(mid, self.objects.read_manifest_bytes(mid), verify=self.objects.verify)
+            if len(self._manifests) > 256:
+                self._manifests.clear()
+            self._manifests[mid] = m
+        return m
+
+    def manifest_of(self, v: Version, rank: int = 0) -> Manifest:
+        if v.pruned:
+            raise PrunedError(f"version {v.short} was pruned: its record is kept for lineage, its tensors are gone")
+        mid = v.manifests.get(str(rank))
+        if mid is None:
+            raise NotFoundError(f"version {v.short} has no rank {rank} (world size {v.world_size})")
+        return self.manifest(mid)
+
+    def read_chunk(self, cid: bytes, key: str = "?") -> bytes:
+        """The raw bytes of one chunk, verified. Raises NotFoundError, IntegrityError."""
+        return self.objects.read_chunk(cid, key)
+
+    def packs_of(self, v: Version) -> set[str]:
+        """The packs the catalog locates `v`'s chunks in (none for a pruned version).
+        Raises NotFoundError/IntegrityError if a manifest of `v` cannot be read."""
+        packs: set[str] = set()
+        if not v.pruned:
+            for mid in v.manifests.values():
+                m = self.manifest(mid)
+                packs |= {loc.pack for r in m.rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
+        return packs
+
+    def where(self, ref: Any) -> list[str]:
+        """Names of the tiers that hold the version wholly (record, manifests, every pack)."""
+        v = self.version(ref)
+        packs = self.packs_of(v)
+        out = []
+        for t in self.tiers:
+            try:
+                ok = t.record_path(v.id).exists() and all(t.manifest_path(mid).exists() for mid in v.manifests.values())
+                ok = ok and all(t.pack_path(p).exists() for p in packs)
+            except OSError:
+                ok = False
+            if ok:
+                out.append(t.name)
+        return out
+
+    # annotations --------------------------------------------------------------------------
+    def annotate(self, ref: Any, **values: Any) -> Version:
+        """Add or change mutable annotations (never part of the id): annotate(v, metrics={...}) or key=value."""
+        vid = self.resolve(ref)
+        flat = {}
+        for k, val in values.items():
+            if k in ("metrics", "annotations") and isinstance(val, dict):
+                flat.update(val)
+            else:
+                flat[k] = val
+        clean = plain_json(flat, "annotations")
+        with self.refs.locked():
+            current = self.catalog.annotations(vid)
+            current.update(clean)
+            current["_updated"] = time.time()
+            self.tier.write_annotations(vid, canonical_json(current))
+            self.catalog.set_annotations(vid, current)
+        return self.version(vid)
+
+    def du(self) -> dict[str, int]:
+        """Bytes as the versions see them (total) against bytes actually stored (unique)."""
+        total = sum(int(json.loads(rec).get("bytes_total", 0)) for _, rec in self.catalog.records())
+        unique = sum(loc.raw_length for _, loc in self.catalog.iter_chunks())
+        packs = list((self.path / "packs").glob("*.pack"))
+        return {"versions": self.catalog.version_count(), "bytes_total": total, "bytes_unique": unique,
+                "bytes_on_disk": sum(p.stat().st_size for p in packs), "packs": len(packs)}
+
+    def close(self) -> None:
+        self.closed = True
+        self.objects.close()
+        self.catalog.close()
+
+
+def as_repository(store: Any) -> Repository:
+    """The Repository behind `store`: maintenance and query functions take either the `Store` facade
+    users hold or a Repository (without importing the facade)."""
+    repo = getattr(store, "repo", store)
+    if not isinstance(repo, Repository):
+        raise TypeError(f"expected a datastates Store or Repository, not {type(store).__name__}")
+    return repo
+
+
+def label(ref: Any) -> str:
+    """A short printable name for a ref argument (reflog messages)."""
+    if isinstance(ref, Version):
+        return ref.short
+    return str(ref) if isinstance(ref, str) else type(ref).__name__

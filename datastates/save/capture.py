@@ -1,0 +1,103 @@
+"""Capture: the only part of a save the caller waits for. Copies every stored byte of a
+job into pool slots (on a side stream for CUDA tensors) and hands each full slot on."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..objects.chunks import spans
+from .buffers import _ALIGN, BufferPool, Piece, Slot
+from .job import SaveJob
+
+
+class CaptureOrder:
+    """Captures run one at a time in submission order (the pipeline's order): a later save
+    holding pool slots that an earlier one needs to finish would deadlock a small pool."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._next_ticket = 0
+        self._turn = 0
+
+    def ticket(self) -> int:
+        with self._cv:
+            t = self._next_ticket
+            self._next_ticket += 1
+            return t
+
+    def wait_turn(self, ticket: int) -> float:
+        t0 = time.perf_counter()
+        with self._cv:
+            while self._turn != ticket:
+                self._cv.wait()
+        return time.perf_counter() - t0
+
+    def done(self, ticket: int) -> None:
+        with self._cv:
+            self._turn = ticket + 1
+            self._cv.notify_all()
+
+
+def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: CaptureOrder | None = None) -> None:
+    """Copy every stored byte of the job into pool slots, handing each full slot to the pipeline.
+
+    Always ends the job's slot stream (with None), even on error.
+    """
+    waited = order.wait_turn(job.ticket) if order is not None else 0.0
+    slot: Slot | None = None
+    t0 = time.perf_counter()
+    try:
+        if cuda_stream is not None:
+            cuda_stream.wait_stream(torch.cuda.current_stream())
+        for row, e in enumerate(job.entries):
+            if e.source is None:
+                continue
+            src = e.source
+            on_gpu = src.device.type == "cuda"
+            for a, b in spans(e.nbytes, job.chunk_size):
+                n = b - a
+                if slot is None or slot.used + n > pool.slot_bytes:
+                    if slot is not None:
+                        _hand_over(job, slot, cuda_stream)
+                    slot, w = pool.acquire(job.go.set)
+                    waited += w
+                if n:
+                    dst = slot.buf[slot.used:slot.used + n]
+                    if on_gpu:
+                        with torch.cuda.stream(cuda_stream):
+                            dst.copy_(src[a:b], non_blocking=True)
+                            src.record_stream(cuda_stream)
+                    else:
+                        dst.copy_(src[a:b])
+                slot.pieces.append(Piece(row, slot.used, n))
+                slot.used += -(-n // _ALIGN) * _ALIGN
+        if slot is not None:
+            _hand_over(job, slot, cuda_stream)
+        if cuda_stream is not None:
+            # Later kernels on the caller's stream (optimizer steps) wait for our copies.
+            torch.cuda.current_stream().wait_stream(cuda_stream)
+    except BaseException as exc:
+        job.capture_error = exc
+        job.handle._capture_error = exc
+        raise
+    finally:
+        job.timings["pool_wait_s"] = waited
+        job.timings["staging_s"] = time.perf_counter() - t0
+        job.slots.put(None)
+        job.go.set()
+        for e in job.entries:
+            e.source = None  # drop references to the caller's tensors
+        job.handle._set_staged()
+        if order is not None:
+            order.done(job.ticket)
+
+
+def _hand_over(job: SaveJob, slot: Slot, cuda_stream: Any) -> None:
+    if cuda_stream is not None:
+        slot.event = torch.cuda.Event()
+        slot.event.record(cuda_stream)
+    job.slots.put(slot)

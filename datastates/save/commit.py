@@ -1,0 +1,73 @@
+"""Where a version becomes visible. The two functions here are the only places that write a
+version record and index it: `make_visible` for a save, `make_fork_visible` for a fork.
+
+Order, and why: the packs are sealed and fsync'd (the pipeline did that) and the manifest is
+written before the record; the record file is written (temp + fsync + rename + dir fsync)
+before the catalog names it; the branch moves last, by compare-and-swap, under the ref lock.
+A crash at any point leaves either nothing visible or a whole version.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..meta.catalog import Catalog, CommitBatch
+from ..meta.refs import RefStore
+from ..meta.versions import encode_record, record_dict
+from ..objects.tier import Tier
+from . import manifest as mf
+from .job import SaveJob
+
+
+def make_visible(job: SaveJob, *, tier: Tier, refs: RefStore, catalog: Catalog,
+                 before_record: Callable[[], None], wants_flush: Callable[[str | None], bool],
+                 overwrite_chunks: bool) -> tuple[str, bytes, bool]:
+    """Commit a saved job: manifest, record, catalog, then the branch. Returns (id, record bytes,
+    whether the version is queued for the cold tier). Runs on the pipeline thread.
+
+    `before_record` runs under the ref lock before anything names the version (the object store
+    puts back reused packs there); an exception from it, or from any write, leaves nothing visible.
+    """
+    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size)
+    tier.write_manifest(mid, mdata)
+    req = job.request
+    branch = req["branch"]
+    with refs.locked():
+        before_record()
+        head = refs.get("branch", branch) if branch else None
+        parents = req["parents"] if req["parents"] is not None else ([head] if head else [])
+        rec = record_dict(
+            parents=parents, manifests={"0": mid}, step=req["step"], epoch=req["epoch"], created=time.time(),
+            hparams=req["hparams"], metrics=req["metrics"], message=req["message"], branch=branch,
+            world_size=1, bytes_total=sum(e.nbytes for e in job.entries), bytes_new=job.bytes_new,
+            chunks_new=len(job.new_chunks), fork_of=req["fork_of"], explore=req["explore"],
+        )
+        vid, data = encode_record(rec)
+        tier.write_record(vid, data)
+        job.timings["durable_s"] = time.perf_counter() - job.t0
+        packs = {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name} for w in job.packs}
+        extra: dict[str, Any] = {"timings": job.timings}
+        to_flush = wants_flush(branch)
+        if to_flush:
+            extra["flush"] = "pending"
+        catalog.commit(CommitBatch(vid, data, parents, list(job.new_chunks.items()), packs, extra,
+                                   overwrite_chunks=overwrite_chunks))
+        job.committed = True
+        if branch:
+            refs.set_if_equals("branch", branch, head, vid, f"save: {req['message']}".strip(), locked=True)
+    return vid, data, to_flush
+
+
+def make_fork_visible(rec: dict[str, Any], *, tier: Tier, refs: RefStore, catalog: Catalog,
+                      branch: str | None, message: str) -> str:
+    """Commit a version that names existing manifests (a fork): record, catalog, then the branch.
+    Returns its id. No bytes of tensors are read or written."""
+    vid, data = encode_record(rec)
+    with tier.writing(), refs.locked():
+        tier.write_record(vid, data)
+        catalog.commit(CommitBatch(vid, data, list(rec["parents"])))
+        if branch:
+            refs.set_if_equals("branch", branch, refs.get("branch", branch), vid, message, locked=True)
+    return vid

@@ -1,0 +1,118 @@
+"""A save as data: the `SaveJob` that flows through capture and the pipeline, and the
+`SaveHandle` the caller holds (`staged`, `result`, `flushed`)."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import DataStatesError, SaveFailedError
+from ..objects.chunks import ChunkLocation
+from ..objects.packs import PackWriter
+from .buffers import Slot
+from .stats import Partial
+from .tree import TensorEntry
+
+if TYPE_CHECKING:
+    from ..meta.versions import Version
+
+
+class SaveHandle:
+    """The caller's view of one asynchronous save.
+
+    `staged` becomes true once the state's bytes are copied (the caller may
+    mutate the tensors from then on); `result()` returns the Version once it
+    is durable and committed, or raises what the background raised.
+    """
+
+    def __init__(self) -> None:
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._version: Version | None = None
+        self._error: BaseException | None = None
+        self._capture_error: BaseException | None = None
+        self._flushed: Callable[[float | None], bool] | None = None
+
+    @property
+    def staged(self) -> bool:
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Block until the tensors are copied; True if they are. Raises a capture error."""
+        ok = self._staged.wait(timeout)
+        if self._capture_error is not None:
+            raise SaveFailedError(f"save failed while copying the state: {self._capture_error!r}") \
+                from self._capture_error
+        return ok
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def result(self, timeout: float | None = None) -> Version:
+        """The committed Version. Raises SaveFailedError (cause chained) or TimeoutError."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save not durable after {timeout} s; call result() again to keep waiting")
+        if self._error is not None:
+            if isinstance(self._error, DataStatesError):
+                raise self._error
+            raise SaveFailedError(f"background save failed: {self._error!r}") from self._error
+        assert self._version is not None
+        return self._version
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"save not finished after {timeout} s")
+        return self._error
+
+    @property
+    def id(self) -> str | None:
+        """The version id, once durable (None before)."""
+        return self._version.id if self._version else None
+
+    def flushed(self, timeout: float | None = None) -> bool:
+        """Wait until the version is durable on the cold tier too; True if it is."""
+        v = self.result(timeout)
+        if self._flushed is None:
+            return True
+        return self._flushed(timeout) if v else False
+
+    def _set_staged(self) -> None:
+        self._staged.set()
+
+    def _finish(self, version: Version | None, error: BaseException | None) -> None:
+        self._version, self._error = version, error
+        self._staged.set()
+        self._done.set()
+
+
+@dataclass
+class SaveJob:
+    """One save moving through the pipeline."""
+
+    tree: dict[str, Any]
+    entries: list[TensorEntry]
+    request: dict[str, Any]
+    handle: SaveHandle
+    chunk_size: int
+    slots: queue.Queue[Slot | None] = field(default_factory=queue.Queue)
+    partials: dict[int, Partial] = field(default_factory=dict)
+    new_chunks: dict[bytes, ChunkLocation] = field(default_factory=dict)
+    packs: list[PackWriter] = field(default_factory=list)
+    bytes_new: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    capture_error: BaseException | None = None
+    committed: bool = False
+    """The catalog names this version: its packs must never be deleted, whatever fails after."""
+    ticket: int = 0
+    t0: float = field(default_factory=time.perf_counter)
+    slots_done: bool = False
+    """The pipeline took the end-of-slots marker (nothing more will come)."""
+    go: threading.Event = field(default_factory=threading.Event)
+    """Set when the background may start: capture finished, or it waits for slots. Until then
+    hashing stays off the cores so the caller's copy runs at full speed."""
+    pins: set[str] = field(default_factory=set)
+    """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""

@@ -1,0 +1,118 @@
+"""Manifests: the table of one rank's tensors in one version, as an Arrow IPC file.
+
+One row per tensor (see `statetree.TensorEntry` for the row kinds) with its
+dtype, shape, chunk ids and statistics; the JSON skeleton of the state and the
+chunk size travel in the schema metadata. The manifest id is the blake3 of the
+file's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any
+
+import blake3
+import pyarrow as pa
+
+from ..errors import IntegrityError, StoreFormatError
+from .tree import TensorEntry, dtype_from_name, dtype_name
+
+MANIFEST_FORMAT = "1"
+STAT_FIELDS = ("min", "max", "mean", "std", "l2")
+COUNT_FIELDS = ("nan_count", "inf_count")
+
+SCHEMA = pa.schema([
+    ("key", pa.string()),
+    ("kind", pa.string()),
+    ("dtype", pa.string()),
+    ("shape", pa.list_(pa.int64())),
+    ("stride", pa.list_(pa.int64())),
+    ("device", pa.string()),
+    ("base", pa.int32()),
+    ("offset", pa.int64()),
+    ("nbytes", pa.int64()),
+    ("chunks", pa.list_(pa.binary(32))),
+    *[(f, pa.float64()) for f in STAT_FIELDS],
+    *[(f, pa.int64()) for f in COUNT_FIELDS],
+])
+
+
+def encode(tree: dict[str, Any], entries: list[TensorEntry], chunk_size: int) -> tuple[str, bytes]:
+    """Serialize a manifest; return (id, bytes)."""
+    cols: dict[str, list[Any]] = {
+        "key": [e.key for e in entries],
+        "kind": [e.kind for e in entries],
+        "dtype": [dtype_name(e.dtype) for e in entries],
+        "shape": [list(e.shape) for e in entries],
+        "stride": [list(e.stride) for e in entries],
+        "device": [e.device for e in entries],
+        "base": [e.base for e in entries],
+        "offset": [e.offset for e in entries],
+        "nbytes": [e.nbytes for e in entries],
+        "chunks": [e.chunks for e in entries],
+    }
+    for f in (*STAT_FIELDS, *COUNT_FIELDS):
+        cols[f] = [e.stats.get(f) for e in entries]
+    meta = {
+        b"datastates.format": MANIFEST_FORMAT.encode(),
+        b"datastates.tree": json.dumps(tree, separators=(",", ":")).encode(),
+        b"datastates.chunk_size": str(chunk_size).encode(),
+    }
+    table = pa.Table.from_pydict(cols, schema=SCHEMA.with_metadata(meta))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    data = sink.getvalue().to_pybytes()
+    return blake3.blake3(data).hexdigest(), data
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What `ls` shows of one tensor: no bytes are read to produce it."""
+
+    key: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    kind: str
+    chunks: int
+    stats: dict[str, float | int | None]
+
+
+class Manifest:
+    """A decoded manifest (read-only)."""
+
+    def __init__(self, mid: str, data: bytes, verify: bool = True) -> None:
+        if verify and blake3.blake3(data).hexdigest() != mid:
+            raise IntegrityError(f"manifest {mid} does not match its id; run `datastates fsck`")
+        self.id = mid
+        self.table = pa.ipc.open_file(pa.py_buffer(data)).read_all()
+        meta = self.table.schema.metadata or {}
+        fmt = meta.get(b"datastates.format", b"?").decode()
+        if fmt != MANIFEST_FORMAT:
+            raise StoreFormatError(
+                f"manifest {mid} has format {fmt}; this datastates reads {MANIFEST_FORMAT}: upgrade it")
+        self.tree: dict[str, Any] = json.loads(meta[b"datastates.tree"])
+        self.chunk_size = int(meta[b"datastates.chunk_size"])
+
+    @cached_property
+    def rows(self) -> list[dict[str, Any]]:
+        return self.table.to_pylist()
+
+    @cached_property
+    def index(self) -> dict[str, int]:
+        """key path -> row number."""
+        return {r["key"]: i for i, r in enumerate(self.rows)}
+
+    def info(self) -> list[TensorInfo]:
+        out = []
+        for r in self.rows:
+            if r["kind"] == "storage":
+                continue
+            nbytes = math.prod(r["shape"]) * dtype_from_name(r["dtype"]).itemsize
+            out.append(TensorInfo(r["key"], r["dtype"], tuple(r["shape"]), nbytes, r["kind"], len(r["chunks"]),
+                                  {f: r[f] for f in (*STAT_FIELDS, *COUNT_FIELDS)}))
+        return out

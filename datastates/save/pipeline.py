@@ -1,0 +1,187 @@
+"""The save pipeline: capture into reused buffers, then hash, dedup, pack, fsync, commit.
+
+    caller:      save_async -> capture (copy into pool slots) -> returns (state may change)
+    background:  hash + stats (worker threads) -> dedup -> pack write -> seal -> commit
+
+A save is a `SaveJob` flowing through these stages; slots go back to the pool
+as soon as their chunks are written, so a pool smaller than one state still
+completes (capture waits: backpressure, counted in the version's timings).
+Jobs commit one at a time in the order they were made.
+"""
+
+from __future__ import annotations
+
+import functools
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..objects.chunks import CODEC_RAW, CODEC_ZSTD, chunk_id
+from ..objects.packs import PackWriter
+from .buffers import BufferPool, Slot
+from .job import SaveJob
+from .stats import Partial, partial
+from .tree import TensorEntry
+
+if TYPE_CHECKING:
+    from ..meta.versions import Version
+
+Hashed = list[tuple[bytes, Partial | None, bytes | None]]
+
+
+def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
+               has_chunks: Callable[[list[bytes]], list[bool]] | None = None) -> Hashed:
+    if slot.event is not None:
+        slot.event.synchronize()
+    out = []
+    arr = slot.buf.numpy()
+    cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
+    # Compress only what will be written: a chunk the store has is skipped by the writer anyway.
+    stored = has_chunks(cids) if zstd_level and has_chunks is not None else [False] * len(cids)
+    for p, cid, have in zip(slot.pieces, cids, stored):
+        mv = arr[p.start:p.start + p.length].data
+        e = entries[p.row]
+        st = partial(slot.buf[p.start:p.start + p.length], e.dtype) if e.kind == "tensor" else None
+        packed = None
+        if zstd_level and p.length >= 4096 and not have:
+            import zstandard
+
+            z = zstandard.ZstdCompressor(level=zstd_level).compress(mv)
+            if len(z) < p.length * 0.95:
+                packed = z
+        out.append((cid, st, packed))
+    return out
+
+
+class Pipeline:
+    """The background half: one thread that takes jobs in order, plus hashing workers."""
+
+    def __init__(self, commit: Callable[[SaveJob], Version],
+                 has_chunks: Callable[[SaveJob | None, list[bytes]], list[bool]],
+                 new_pack: Callable[[], PackWriter], pool: BufferPool, workers: int = 2, zstd_level: int = 0,
+                 pack_bytes: int = 1 << 31, on_error: Callable[[SaveJob, BaseException], None] | None = None,
+                 guard: Callable[[], Any] | None = None) -> None:
+        self._guard = guard
+        self._commit = commit
+        self._has_chunks = has_chunks
+        self._new_pack = new_pack
+        self.pool = pool
+        self.zstd_level = zstd_level
+        self.pack_bytes = pack_bytes
+        self._on_error = on_error
+        self._jobs: queue.Queue[SaveJob | None] = queue.Queue()
+        # One intra-op thread per worker: torch ops here otherwise leave thread pools that slow the
+        # caller's next copies (measured: 1 GiB copy 0.110 s -> 0.146-0.200 s).
+        self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datastates-hash",
+                                           initializer=torch.set_num_threads, initargs=(1,))
+        self._inflight = 0
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="datastates-pipeline", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: SaveJob) -> None:
+        with self._cv:
+            self._inflight += 1
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        """Block until every submitted job has finished (committed or failed)."""
+        with self._cv:
+            while self._inflight:
+                self._cv.wait()
+
+    def stop(self) -> None:
+        self.wait()
+        self._jobs.put(None)
+        self._thread.join()
+        self._workers.shutdown()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                with self._guard() if self._guard else nullcontext():
+                    self._process(job)
+                    version = self._commit(job)
+                job.handle._finish(version, None)
+            except BaseException as exc:
+                self._drain(job)
+                for w in job.packs:
+                    w.abort()
+                    if not job.committed:
+                        w.path.unlink(missing_ok=True)
+                if self._on_error:
+                    self._on_error(job, exc)
+                job.handle._finish(None, exc)
+            finally:
+                with self._cv:
+                    self._inflight -= 1
+                    self._cv.notify_all()
+
+    def _drain(self, job: SaveJob) -> None:
+        # The capture may still be filling slots: keep taking them back so it cannot block forever.
+        while not job.slots_done:
+            slot = job.slots.get()
+            if slot is None:
+                job.slots_done = True
+            else:
+                self.pool.release(slot)
+
+    def _process(self, job: SaveJob) -> None:
+        window: deque[tuple[Slot, Future[list[tuple[bytes, Partial | None, bytes | None]]]]] = deque()
+        job.go.wait()
+        t0 = time.perf_counter()
+        try:
+            while (slot := job.slots.get()) is not None:
+                # The workers only ask whether compressing is worth it: no job, nothing pinned.
+                window.append((slot, self._workers.submit(_hash_slot, slot, job.entries, self.zstd_level,
+                                                          functools.partial(self._has_chunks, None))))
+                # Hash the next slot while writing this one, but never sit on slots waiting for more:
+                # the capture may need them back to go on (pool smaller than the state).
+                while window and (len(window) >= 2 or job.slots.empty()):
+                    self._write(job, *window.popleft())
+            job.slots_done = True
+            while window:
+                self._write(job, *window.popleft())
+        finally:
+            for slot, fut in window:
+                fut.cancel()
+                self.pool.release(slot)
+        if job.capture_error is not None:
+            raise job.capture_error
+        for w in job.packs:
+            w.seal()
+        job.timings["write_s"] = time.perf_counter() - t0
+        for row, p in job.partials.items():
+            job.entries[row].stats = p.final()
+
+    def _write(self, job: SaveJob, slot: Slot, fut: Future[list[tuple[bytes, Partial | None, bytes | None]]]) -> None:
+        try:
+            results = fut.result()
+            known = self._has_chunks(job, [cid for cid, _, _ in results])
+            arr = slot.buf.numpy()
+            for piece, (cid, st, packed), have in zip(slot.pieces, results, known):
+                e = job.entries[piece.row]
+                e.chunks.append(cid)
+                if st is not None:
+                    job.partials.setdefault(piece.row, Partial()).merge(st)
+                if have or cid in job.new_chunks:
+                    continue
+                w = job.packs[-1] if job.packs and job.packs[-1].size < self.pack_bytes else None
+                if w is None:
+                    w = self._new_pack()
+                    job.packs.append(w)
+                if packed is not None:
+                    loc = w.add(cid, packed, piece.length, CODEC_ZSTD)
+                else:
+                    loc = w.add(cid, arr[piece.start:piece.start + piece.length].data, piece.length, CODEC_RAW)
+                job.new_chunks[cid] = loc
+                job.bytes_new += loc.length
+        finally:
+            self.pool.release(slot)

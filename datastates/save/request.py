@@ -1,0 +1,67 @@
+"""A save request as data: the record fields of a save or a fork, validated where they enter.
+
+Every check runs before anything is written, so a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..errors import InvalidArgumentError
+from ..meta.refs import check_name
+from ..meta.versions import Version, plain_json, record_dict
+
+Resolve = Callable[[Any], str]
+"""Turns a ref (id, prefix, branch, tag, Version, handle) into a version id; raises NotFoundError."""
+
+
+def save_request(resolve: Resolve, *, branch: str | None, parents: Sequence[Any] | None, step: Any, epoch: Any,
+                 hparams: Any, metrics: Any, message: Any, fork_of: Any, explore: Any) -> dict[str, Any]:
+    """The validated fields of a save. Raises InvalidNameError, InvalidArgumentError,
+    UnsupportedValueError, NotFoundError (unknown parents)."""
+    if branch is not None:
+        check_name(branch, "branch")
+    return {
+        "branch": branch,
+        "parents": None if parents is None else [resolve(p) for p in parents],
+        "step": whole_number(step, "step"),
+        "epoch": whole_number(epoch, "epoch"),
+        "hparams": plain_json(hparams, "hparams"),
+        "metrics": plain_json(metrics, "metrics"),
+        "message": str(message),
+        "fork_of": None if fork_of is None else resolve(fork_of),
+        "explore": None if explore is None else plain_json(explore, "explore"),
+    }
+
+
+def fork_record(src: Version, resolve: Resolve, *, branch: str | None, parents: Sequence[Any] | None,
+                hparams: Any, metrics: Any, step: Any, message: str, fork_of: Any, explore: Any) -> dict[str, Any]:
+    """The record of a version naming exactly `src`'s manifests: parents default to [src], hparams and
+    step to src's. Raises InvalidNameError, InvalidArgumentError, UnsupportedValueError, NotFoundError."""
+    if branch is not None:
+        check_name(branch, "branch")
+    return record_dict(
+        parents=[resolve(p) for p in parents] if parents is not None else [src.id],
+        manifests=src.manifests, step=src.step if step is None else whole_number(step, "step"), epoch=src.epoch,
+        created=time.time(), hparams=plain_json(src.hparams if hparams is None else hparams, "hparams"),
+        metrics=plain_json(metrics, "metrics"), message=message, branch=branch, world_size=src.world_size,
+        bytes_total=src.bytes_total, bytes_new=0, chunks_new=0,
+        fork_of=None if fork_of is None else resolve(fork_of),
+        explore=None if explore is None else plain_json(explore, "explore"),
+    )
+
+
+def whole_number(value: Any, what: str) -> int | None:
+    """`value` as an int (None stays None); InvalidArgumentError for anything that is not a whole number."""
+    if value is None:
+        return None
+    try:
+        n = int(value)
+        ok = n == value and not isinstance(value, bool)
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:
+        raise InvalidArgumentError(f"{what}={value!r} is not a whole number; give an int such as {what}=100")
+    return n

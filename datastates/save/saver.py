@@ -1,0 +1,124 @@
+"""The save engine of one store: the buffer pool, the pipeline, capture in submission order,
+lazy saves that an optimizer's next step waits for, and `reuse_unchanged`.
+
+It turns a validated save request into a `SaveJob`, captures it (the only part the caller
+waits for) and hands it to the pipeline, whose last stage calls the store's commit.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from ..meta.versions import Version
+from ..objects.packs import PackWriter
+from .buffers import BufferPool
+from .capture import CaptureOrder, capture
+from .job import SaveHandle, SaveJob
+from .pipeline import Pipeline
+from .tree import flatten
+
+Reused = tuple[tuple[object, ...], list[bytes], dict[str, Any], int]
+"""What `reuse_unchanged` remembers per key: (tensor signature, chunk ids, stats, chunk size)."""
+
+
+class Saver:
+    """Owns the pool, the pipeline and the capture order of one store; thread-safe `submit`."""
+
+    def __init__(self, commit: Callable[[SaveJob], Version], dedup: Callable[[SaveJob | None, list[bytes]], list[bool]],
+                 new_pack: Callable[[], PackWriter], guard: Callable[[], AbstractContextManager[None]], *,
+                 chunk_size: int, pool_bytes: int, workers: int, zstd_level: int,
+                 on_error: Callable[[SaveJob, BaseException], None]) -> None:
+        self.chunk_size = chunk_size
+        self.dedup = dedup
+        self.pool = BufferPool(pool_bytes, max(chunk_size, 1 << 20), pin=torch.cuda.is_available())
+        self.pipeline = Pipeline(commit, dedup, new_pack, self.pool, workers=workers, zstd_level=zstd_level,
+                                 on_error=on_error, guard=guard)
+        self.last_saved: dict[str, Reused] = {}
+        self._capture_order = CaptureOrder()
+        self._cuda_stream: Any = None
+        self._step_hooks: weakref.WeakKeyDictionary[Any, list[SaveHandle]] = weakref.WeakKeyDictionary()
+
+    def submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
+               optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
+               t_call: float) -> SaveHandle:
+        """Flatten `state`, queue its job and capture it (in the background when `lazy`); returns its handle.
+        Raises UnsupportedValueError (from flatten) before anything is queued."""
+        tree, entries = flatten(state, allow_pickle=allow_pickle)
+        handle = SaveHandle()
+        job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
+                      ticket=self._capture_order.ticket())
+        if reuse_unchanged:
+            self._reuse_unchanged(job)
+        if overlap and not lazy:
+            job.go.set()  # the caller waits for durability anyway: hash while it copies
+        stream = self._stream_for(entries)
+        self.pipeline.submit(job)
+        if lazy:
+            if optimizer is not None:
+                self._wait_before_step(optimizer, handle)
+            threading.Thread(target=self._capture_quietly, args=(job, stream), name="datastates-capture",
+                             daemon=True).start()
+        else:
+            capture(job, self.pool, stream, self._capture_order)
+        job.timings["blocking_s"] = time.perf_counter() - t_call
+        return handle
+
+    def remember(self, job: SaveJob) -> None:
+        """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`."""
+        for e in job.entries:
+            if e.kind == "tensor" and e.sig is not None:
+                self.last_saved[e.key] = (e.sig, list(e.chunks), dict(e.stats), job.chunk_size)
+
+    def _reuse_unchanged(self, job: SaveJob) -> None:
+        """Point untouched tensors at the chunks and stats this store saved for them last time."""
+        candidates = []
+        for e in job.entries:
+            last = self.last_saved.get(e.key) if e.kind == "tensor" else None
+            if last is not None and last[0] == e.sig and last[3] == self.chunk_size:
+                candidates.append((e, last))
+        wanted = [c for _, last in candidates for c in last[1]]
+        if not candidates or not all(self.dedup(job, wanted)):
+            return  # something was pruned, collected or evicted since: copy everything
+        for e, last in candidates:
+            e.chunks, e.stats, e.source = list(last[1]), dict(last[2]), None
+
+    def _wait_before_step(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
+        """Make the optimizer's next step() wait until `handle` is staged.
+
+        One persistent pre-hook per optimizer waits for every lazy save
+        registered since the last step: removing a hook from inside
+        Optimizer.step would mutate the dict torch is iterating.
+        """
+        pending = self._step_hooks.get(optimizer)
+        if pending is None:
+            pending = self._step_hooks[optimizer] = []
+            hooks = self._step_hooks
+
+            def hook(opt: Any, args: Any, kwargs: Any) -> None:
+                waiting = hooks.get(opt, [])
+                while waiting:
+                    h = waiting.pop(0)
+                    h._staged.wait()  # a capture error is reported by result(), not by the step
+
+            optimizer.register_step_pre_hook(hook)
+        pending.append(handle)
+
+    def _capture_quietly(self, job: SaveJob, stream: Any) -> None:
+        try:
+            capture(job, self.pool, stream, self._capture_order)
+        except BaseException:
+            pass  # reported through the handle by the pipeline
+
+    def _stream_for(self, entries: list[Any]) -> Any:
+        if not any(e.source is not None and e.source.device.type == "cuda" for e in entries):
+            return None
+        if self._cuda_stream is None:
+            self._cuda_stream = torch.cuda.Stream()
+        return self._cuda_stream

@@ -1,0 +1,289 @@
+"""The state tree: how a nested training state becomes rows of tensors plus a JSON skeleton.
+
+`flatten` walks dicts, lists, tuples and objects with `state_dict()` and
+returns a JSON-safe skeleton plus one `TensorEntry` per tensor; `unflatten`
+rebuilds the same container types around loaded tensors. Pickle is used only
+when the caller asked for it explicitly, on both sides.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import UnsupportedValueError
+
+_DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """The torch dtype called `name`; UnsupportedValueError if this torch lacks it."""
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise UnsupportedValueError(f"dtype {name!r} is unknown to torch {torch.__version__}; upgrade torch") from None
+
+
+@dataclass
+class TensorEntry:
+    """One manifest row while saving."""
+
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    device: str
+    kind: str
+    """'tensor' (own bytes), 'storage' (a shared storage's bytes), 'alias' (same tensor as `base`),
+    or 'view' (a view into the storage row `base`)."""
+    source: torch.Tensor | None = None
+    """For 'tensor' and 'storage': the tensor whose bytes are stored."""
+    base: int = -1
+    offset: int = 0
+    """'view': offset into the base storage, in elements of `dtype`."""
+    stride: tuple[int, ...] = ()
+    nbytes: int = 0
+    """Bytes stored for this row (0 for 'alias' and 'view')."""
+    chunks: list[bytes] = field(default_factory=list)
+    stats: dict[str, float | int | None] = field(default_factory=dict)
+    sig: tuple[object, ...] | None = None
+    """For 'tensor' rows: (data_ptr, version counter, dtype, shape, stride, device) at capture."""
+
+
+def _key_json(k: Any, path: str) -> Any:
+    if k is None or isinstance(k, (str, bool, int, float)):
+        return k
+    raise UnsupportedValueError(
+        f"{path} has a dict key of type {type(k).__name__}; keys must be str, int, float, bool or None")
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's logical bytes (a copy only if it is not contiguous)."""
+    if t.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)  # strides of empty tensors can be anything
+    flat = t.detach().reshape(-1)
+    if flat.stride(-1) != 1:
+        # A strided 1-d view survives reshape; one element counts as contiguous whatever its stride.
+        flat = flat.as_strided((1,), (1,)) if flat.numel() == 1 else flat.contiguous()
+    if flat.dtype == torch.uint8:
+        return flat
+    return flat.view(torch.uint8)
+
+
+def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if t.layout != torch.strided:
+        raise UnsupportedValueError(f"{path} is a {t.layout} tensor; convert it with .to_dense() before saving")
+    if t.device.type == "meta":
+        raise UnsupportedValueError(f"{path} is a meta tensor and has no data; materialize it before saving")
+    if t.is_quantized:
+        raise UnsupportedValueError(f"{path} is a quantized tensor; dequantize it or save with allow_pickle=True")
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        raise UnsupportedValueError(f"{path} is a tensor subclass {type(t).__name__}; save a plain tensor")
+
+
+class Flattener:
+    """Walks one state; see module docstring."""
+
+    def __init__(self, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+        self.entries: list[TensorEntry] = []
+        self._tensors: list[tuple[str, torch.Tensor]] = []
+        self._paths: set[str] = set()
+
+    def flatten(self, state: Any) -> dict[str, Any]:
+        tree = self._node(state, "")
+        self._assign_rows()
+        return tree
+
+    def _node(self, v: Any, path: str) -> dict[str, Any]:
+        if isinstance(v, torch.Tensor):
+            _check_tensor(v, path or "<state>")
+            if path in self._paths:
+                raise UnsupportedValueError(f"two values map to the key path {path!r}; rename one of the keys")
+            self._paths.add(path)
+            self._tensors.append((path, v))
+            node: dict[str, Any] = {"t": "tensor", "i": len(self._tensors) - 1}
+            if isinstance(v, torch.nn.Parameter):
+                node["param"] = bool(v.requires_grad)
+            return node
+        if v is None or isinstance(v, (bool, str)):
+            return {"t": "v", "v": v}
+        if isinstance(v, (int, float)) and type(v) in (int, float):
+            return {"t": "v", "v": v}
+        if isinstance(v, (bytes, bytearray)):
+            return {"t": "bytes", "v": base64.b64encode(bytes(v)).decode()}
+        if isinstance(v, torch.dtype):
+            return {"t": "dtype", "v": dtype_name(v)}
+        if isinstance(v, torch.device):
+            return {"t": "device", "v": str(v)}
+        if isinstance(v, torch.Size):
+            return {"t": "size", "v": list(v)}
+        if isinstance(v, np.ndarray) and v.dtype.kind in "biufc" and v.dtype.isnative:
+            node = self._node(torch.from_numpy(np.ascontiguousarray(v)), path)
+            return {**node, "np": True}
+        if isinstance(v, np.generic) and v.dtype.kind in "biufc":
+            return {"t": "npscalar", "dtype": v.dtype.str, "v": base64.b64encode(v.tobytes()).decode()}
+        if isinstance(v, dict) and type(v) in (dict, OrderedDict):
+            keys = [_key_json(k, path) for k in v]
+            vals = [self._node(x, f"{path}.{k}" if path else str(k)) for k, x in v.items()]
+            return {"t": "odict" if type(v) is OrderedDict else "dict", "k": keys, "v": vals}
+        if type(v) in (list, tuple):
+            vals = [self._node(x, f"{path}.{i}" if path else str(i)) for i, x in enumerate(v)]
+            return {"t": type(v).__name__, "v": vals}
+        sd = getattr(v, "state_dict", None)
+        if callable(sd) and not isinstance(v, type):
+            node = self._node(sd(), path)
+            return {**node, "from": f"{type(v).__module__}.{type(v).__qualname__}"}
+        if self.allow_pickle:
+            try:
+                data = pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise UnsupportedValueError(
+                    f"{path or '<state>'} ({type(v).__name__}) cannot be pickled: {exc}") from exc
+            return {"t": "pickle", "v": base64.b64encode(data).decode()}
+        raise UnsupportedValueError(
+            f"{path or '<state>'} is a {type(v).__module__}.{type(v).__qualname__}, which needs pickle; "
+            "store plain values (numbers, strings, lists, dicts, tensors) or pass allow_pickle=True to save and load"
+        )
+
+    def _assign_rows(self) -> None:
+        # Tensors sharing a storage (tied weights, views) must come back sharing it.
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, (_, t) in enumerate(self._tensors):
+            if t.numel() and t.untyped_storage().nbytes():
+                groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(i)
+        row_of: dict[int, int] = {}
+        for i, (path, t) in enumerate(self._tensors):
+            if i in row_of:
+                continue
+            members = groups.get((str(t.device), t.untyped_storage().data_ptr()), [i]) if t.numel() else [i]
+            sig = {(m_t.dtype, m_t.storage_offset(), tuple(m_t.shape), m_t.stride())
+                   for m_t in (self._tensors[m][1] for m in members)}
+            if len(sig) == 1:
+                row_of[i] = self._add_tensor(path, t)
+                for m in members[1:]:
+                    mp, mt = self._tensors[m]
+                    row_of[m] = len(self.entries)
+                    self.entries.append(TensorEntry(mp, mt.dtype, tuple(mt.shape), str(mt.device), "alias",
+                                                    base=row_of[i]))
+                continue
+            storage = t.untyped_storage()
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+            srow = len(self.entries)
+            self.entries.append(TensorEntry(f"~storage/{srow}", torch.uint8, (storage.nbytes(),), str(t.device),
+                                            "storage", source=whole, nbytes=storage.nbytes()))
+            for m in members:
+                mp, mt = self._tensors[m]
+                row_of[m] = len(self.entries)
+                self.entries.append(TensorEntry(mp, mt.dtype, tuple(mt.shape), str(mt.device), "view", base=srow,
+                                                offset=int(mt.storage_offset()), stride=tuple(mt.stride())))
+        self.tensor_rows = [row_of[i] for i in range(len(self._tensors))]
+
+    def _add_tensor(self, path: str, t: torch.Tensor) -> int:
+        src = _bytes_of(t)
+        sig = (t.data_ptr(), t._version, t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
+        self.entries.append(TensorEntry(path, t.dtype, tuple(t.shape), str(t.device), "tensor", source=src,
+                                        nbytes=src.numel(), sig=sig))
+        return len(self.entries) - 1
+
+
+def flatten(state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
+    """Split `state` into a JSON-safe skeleton and tensor rows.
+
+    Raises UnsupportedValueError naming the key path of the first value that
+    cannot be stored without pickle (unless `allow_pickle`).
+    """
+    f = Flattener(allow_pickle)
+    tree = f.flatten(state)
+    _renumber(tree, f.tensor_rows)
+    return tree, f.entries
+
+
+def _renumber(node: dict[str, Any], rows: list[int]) -> None:
+    if node["t"] == "tensor":
+        node["i"] = rows[node["i"]]
+    elif node["t"] in ("dict", "odict", "list", "tuple"):
+        for child in node["v"]:
+            _renumber(child, rows)
+
+
+def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: bool = False, path: str = "",
+              select: Callable[[str], bool] | None = None) -> Any:
+    """Rebuild the saved containers around `tensor(row)`; pickle only with `allow_pickle`.
+
+    A subtree whose tensors were not selected (`tensor` returns the `SKIP`
+    sentinel) is left out of its container.
+    """
+    t = node["t"]
+    if select is not None and t not in ("dict", "odict", "list", "tuple") and not select(path):
+        return SKIP
+    if t == "tensor":
+        val = tensor(node["i"])
+        if val is SKIP:
+            return SKIP
+        if node.get("np"):
+            return val.numpy()
+        if "param" in node:
+            return torch.nn.Parameter(val, requires_grad=node["param"])
+        return val
+    if t == "v":
+        return node["v"]
+    if t == "bytes":
+        return base64.b64decode(node["v"])
+    if t == "dtype":
+        return dtype_from_name(node["v"])
+    if t == "device":
+        return torch.device(node["v"])
+    if t == "size":
+        return torch.Size(node["v"])
+    if t == "npscalar":
+        return np.frombuffer(base64.b64decode(node["v"]), dtype=np.dtype(node["dtype"]))[0]
+    if t in ("dict", "odict"):
+        out: dict[Any, Any] = OrderedDict() if t == "odict" else {}
+        for k, child in zip(node["k"], node["v"]):
+            v = unflatten(child, tensor, allow_pickle, f"{path}.{k}" if path else str(k), select)
+            if v is not SKIP:
+                out[k] = v
+        return SKIP if _drop_empty(select, path, out) else out
+    if t in ("list", "tuple"):
+        items = [unflatten(c, tensor, allow_pickle, f"{path}.{i}" if path else str(i), select)
+                 for i, c in enumerate(node["v"])]
+        items = [x for x in items if x is not SKIP]
+        if _drop_empty(select, path, items):
+            return SKIP
+        return items if t == "list" else tuple(items)
+    if t == "pickle":
+        if not allow_pickle:
+            raise UnsupportedValueError(
+                f"{path or '<state>'} was saved with pickle; loading it runs code chosen by whoever saved it. "
+                "Pass allow_pickle=True only if you trust this store"
+            )
+        return pickle.loads(base64.b64decode(node["v"]))
+    raise UnsupportedValueError(f"{path or '<state>'} has node type {t!r} unknown to this datastates; upgrade it")
+
+
+def _drop_empty(select: Callable[[str], bool] | None, path: str, kept: Any) -> bool:
+    """A container left empty by a partial load goes too, unless it was selected itself."""
+    return select is not None and not kept and bool(path) and not select(path)
+
+
+class _Skip:
+    def __repr__(self) -> str:
+        return "SKIP"
+
+
+SKIP: Any = _Skip()
