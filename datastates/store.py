@@ -15,7 +15,6 @@ Guarantees (each pinned by tests):
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
 import threading
@@ -37,12 +36,19 @@ from .errors import (
 )
 from .maintenance.eviction import Evictor
 from .maintenance.flush import Flusher
+from .maintenance.fsck import fsck
+from .maintenance.gc import COLD_GRACE_S, gc
 from .maintenance.refresh import refresh
+from .maintenance.retention import prune
 from .meta.catalog import Catalog
 from .meta.graph import CatalogGraph
 from .meta.refs import RefStore
 from .meta.versions import Version, decode_record
 from .objects.tier import Tier
+from .query import table
+from .query.compare import diff, history, history_values
+from .query.lineage import ancestors, descendants, merge_base, paths
+from .query.table import find
 from .repo import reader
 from .repo.opening import open_repository
 from .repo.repository import Repository
@@ -74,7 +80,6 @@ class Store:
         repo.owner = self
         self.flusher: Flusher | None = None
         self.reuse_unchanged = False
-        self._flush_counts: dict[str | None, int] = {}
         self._evictor = Evictor(repo)
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -138,20 +143,10 @@ class Store:
             except OSError as exc:
                 log.warning("cold tier %s unreadable at open (%s); working from hot", repo.root, exc)
         if repo.cold is not None:
-            store._start_flusher()
+            store.flusher = Flusher(repo)
+            store.flusher.resume()
         store.reuse_unchanged = reuse_unchanged
         return store
-
-    def _start_flusher(self) -> None:
-        """Start the flusher and queue what an earlier process left unflushed (commit order)."""
-        self.flusher = Flusher(self.repo)
-        pending = []
-        for vid, data in self.catalog.records():
-            extra = self.catalog.extra(vid)
-            if extra.get("flush") == "pending" and not extra.get("cold"):
-                pending.append((json.loads(data).get("created", 0.0), vid))
-        for _, vid in sorted(pending):
-            self.flusher.enqueue(vid)
 
     def __enter__(self) -> Store:
         return self
@@ -314,7 +309,9 @@ class Store:
         self._saver.remember(job)
         if to_flush and self.flusher is not None:
             self.flusher.enqueue(vid)
-        job.handle._flushed = lambda timeout: self._wait_flushed(vid, timeout)
+        flusher = self.flusher
+        job.handle._flushed = (lambda timeout: True) if flusher is None else (
+            lambda timeout: flusher.flushed(vid, timeout))
         objects.unpin(job.pins)  # committed and not on cold yet: eviction keeps its packs from here on
         try:
             self._evictor.evict()
@@ -328,30 +325,15 @@ class Store:
 
     # tiers ---------------------------------------------------------------------------
     def _wants_flush(self, branch: str | None) -> bool:
-        if self.cold is None or self.tiering.flush.tagged_only:
-            return False
-        n = self._flush_counts[branch] = self._flush_counts.get(branch, 0) + 1
-        return n % max(1, self.tiering.flush.every) == 0
-
-    def _wait_flushed(self, vid: str, timeout: float | None) -> bool:
-        if self.cold is None:
-            return True
-        if self.flusher is not None:
-            self.flusher.wait(timeout, vid)
-        return bool(self.catalog.extra(vid).get("cold"))
+        return self.flusher is not None and self.flusher.wants(branch)
 
     def flush(self, ref: Any = None, timeout: float | None = None) -> bool:
         """Wait until the flusher's backlog is on cold (queueing `ref` first, if given); True if done."""
         if self.flusher is None:
             return True
         if ref is not None:
-            self._queue_flush(self.resolve(ref))
+            self.flusher.queue(self.resolve(ref))
         return self.flusher.wait(timeout)
-
-    def _queue_flush(self, vid: str) -> None:
-        assert self.flusher is not None
-        self.catalog.update_extra(vid, {"flush": "pending"}, only_if_missing="cold")
-        self.flusher.enqueue(vid)
 
     def packs_of(self, v: Version) -> set[str]:
         """The packs the catalog locates `v`'s chunks in (none for a pruned version)."""
@@ -410,7 +392,7 @@ class Store:
         """Create an immutable tag. Raises ConflictError if it exists (delete it first)."""
         vid = self.repo.create_tag(name, ref, message)
         if self.flusher is not None:
-            self._queue_flush(vid)  # tagged versions always reach cold (and the tag with them)
+            self.flusher.queue(vid)  # tagged versions always reach cold (and the tag with them)
         return vid
 
     def delete_tag(self, name: str) -> str:
@@ -423,8 +405,6 @@ class Store:
     # walking and asking -----------------------------------------------------------
     def log(self, ref: Any = "main", *, first_parent: bool = False, limit: int | None = None) -> list[Version]:
         """`ref` and its ancestors, newest first (like `git log`)."""
-        from .query.lineage import ancestors
-
         start = self.resolve(ref)
         ids = [start] + ancestors(self.graph, start, first_parent=first_parent)
         if limit is not None:
@@ -433,32 +413,22 @@ class Store:
 
     def ancestors(self, ref: Any, *, depth: int | None = None, first_parent: bool = False) -> list[str]:
         """Ids of the versions `ref` descends from, newest first (without `ref` itself)."""
-        from .query.lineage import ancestors
-
         return ancestors(self.graph, self.resolve(ref), depth=depth, first_parent=first_parent)
 
     def descendants(self, ref: Any, *, depth: int | None = None) -> list[str]:
         """Ids of the versions grown from `ref`, across branches, oldest first."""
-        from .query.lineage import descendants
-
         return descendants(self.graph, self.resolve(ref), depth=depth)
 
     def merge_base(self, a: Any, b: Any) -> str | None:
         """The nearest common ancestor of two versions (None if they share none)."""
-        from .query.lineage import merge_base
-
         return merge_base(self.graph, self.resolve(a), self.resolve(b))
 
     def paths(self, src: Any, dst: Any, *, limit: int = 100) -> list[list[str]]:
         """The lineage paths from `src` down to `dst` (lists of ids)."""
-        from .query.lineage import paths
-
         return paths(self.graph, self.resolve(src), self.resolve(dst), limit=limit)
 
     def versions_table(self) -> Any:
         """Every version as a pyarrow Table: fixed fields plus hparams.*, metrics.*, annotations.* columns."""
-        from .query import table
-
         key = (self.catalog.generation(), tuple(sorted(self.tags().items())))
         if self._table is None or self._table[0] != key:
             self._table = (key, table.build(self.repo))
@@ -469,8 +439,6 @@ class Store:
 
         Returns Versions (or the matching rows as a pyarrow Table). Raises QueryError with the offset.
         """
-        from .query.table import find
-
         rows = find(self.repo, self.versions_table(), query)
         if as_table:
             return rows
@@ -478,15 +446,11 @@ class Store:
 
     def diff(self, a: Any, b: Any, *, keys: list[str] | None = None) -> Any:
         """A pyarrow Table, one row per tensor key; see `datastates.query.compare.diff`."""
-        from .query.compare import diff
-
         return diff(self.repo, a, b, keys)
 
     def history(self, key: str, ref: Any = "main", *, values: bool = False) -> Any:
         """A tensor's stats across the first-parent chain of `ref` (Table), or with values=True
         an iterator of (Version, tensor) loading one at a time."""
-        from .query.compare import history, history_values
-
         return history_values(self.repo, key, ref) if values else history(self.repo, key, ref)
 
     def fork(self, ref: Any, *, branch: str | None, parents: Sequence[Any] | None = None,
@@ -506,8 +470,8 @@ class Store:
                           step=step, message=message, fork_of=fork_of, explore=explore)
         vid = make_fork_visible(rec, tier=self.tier, refs=self.refs, catalog=self.catalog, branch=branch,
                                 message=f"fork of {src.short}")
-        if self.flusher is not None and self._wants_flush(branch):
-            self._queue_flush(vid)
+        if self.flusher is not None and self.flusher.wants(branch):
+            self.flusher.queue(vid)
         return self.version(vid)
 
     # loading -----------------------------------------------------------------------
@@ -559,16 +523,12 @@ class Store:
     def prune(self, retention: Any, *, dry_run: bool = False) -> Any:
         """Drop the bytes of versions no policy keeps (records stay; loading them raises PrunedError).
         Tags, branch heads and protected versions (PBT donors) are always kept. See datastates.retention."""
-        from .maintenance.retention import prune
-
         self.wait()
         return prune(self.repo, retention, dry_run=dry_run)
 
     def gc(self, *, dry_run: bool = False, repack_threshold: float = 0.5, cold_grace_s: float | None = None) -> Any:
         """Delete packs no live version needs and repack sparse ones, on every tier; returns a
         GcReport with bytes freed per tier. See `datastates.maintenance.gc`."""
-        from .maintenance.gc import COLD_GRACE_S, gc
-
         self.wait()
         self._evictor.forget()
         return gc(self.repo, dry_run=dry_run, repack_threshold=repack_threshold,
@@ -576,8 +536,6 @@ class Store:
 
     def fsck(self, *, repair: bool = False, rebuild: bool = False) -> Any:
         """Verify every chunk, manifest, record and ref; see `datastates.maintenance.fsck`."""
-        from .maintenance.fsck import fsck
-
         self.wait()
         return fsck(self.repo, repair=repair, rebuild=rebuild)
 

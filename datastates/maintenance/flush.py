@@ -13,6 +13,7 @@ on hot meanwhile.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -41,10 +42,41 @@ class Flusher:
         self.failures = 0
         self.last_error: str | None = None
         self.conflicts: list[str] = []
+        self._counts: dict[str | None, int] = {}
         self._thread = threading.Thread(target=self._run, name="datastates-flusher", daemon=True)
         self._thread.start()
 
-    # queue ---------------------------------------------------------------------
+    # policy and queue ------------------------------------------------------------
+    def resume(self) -> None:
+        """Queue, oldest first, what an earlier process committed but left unflushed."""
+        catalog = self.store.catalog
+        pending = []
+        for vid, data in catalog.records():
+            extra = catalog.extra(vid)
+            if extra.get("flush") == "pending" and not extra.get("cold"):
+                pending.append((json.loads(data).get("created", 0.0), vid))
+        for _, vid in sorted(pending):
+            self.enqueue(vid)
+
+    def wants(self, branch: str | None) -> bool:
+        """The flush policy for a new version on `branch`: every Nth per branch (per process), or none
+        with `tagged_only` (tags queue their version themselves)."""
+        policy = self.store.tiering.flush
+        if policy.tagged_only:
+            return False
+        n = self._counts[branch] = self._counts.get(branch, 0) + 1
+        return n % max(1, policy.every) == 0
+
+    def queue(self, vid: str) -> None:
+        """Mark `vid` pending in the catalog (so a restart flushes it too), then enqueue it."""
+        self.store.catalog.update_extra(vid, {"flush": "pending"}, only_if_missing="cold")
+        self.enqueue(vid)
+
+    def flushed(self, vid: str, timeout: float | None) -> bool:
+        """Wait up to `timeout` for the backlog through `vid`; True if `vid` is on cold."""
+        self.wait(timeout, vid)
+        return bool(self.store.catalog.extra(vid).get("cold"))
+
     def enqueue(self, vid: str) -> None:
         with self._cv:
             if vid not in self._queued:
