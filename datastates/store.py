@@ -22,11 +22,13 @@ import time
 import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .base.comm import Comm, SingleComm, as_comm
 from .base.config import Flush, TierConfig
 from .errors import (
     DataStatesError,
@@ -53,6 +55,7 @@ from .repo import reader
 from .repo.opening import open_repository
 from .repo.repository import Repository
 from .save.buffers import BufferPool
+from .save.collective import make_visible_collective
 from .save.commit import make_fork_visible, make_visible
 from .save.job import SaveHandle, SaveJob
 from .save.manifest import Manifest, TensorInfo
@@ -79,6 +82,8 @@ class Store:
         """Objects, catalog and refs: what the query side and maintenance work on."""
         repo.owner = self
         self.flusher: Flusher | None = None
+        self.comm: Comm = SingleComm()
+        """The ranks saving together (one process unless opened with `comm=`)."""
         self.reuse_unchanged = False
         self._evictor = Evictor(repo)
         self._errors: list[BaseException] = []
@@ -109,7 +114,8 @@ class Store:
     def open(cls, path: str | os.PathLike[str], *, create: bool = True, chunk_size: int | None = None,
              pool_bytes: int | None = None, verify: bool = True, zstd_level: int = 0, workers: int = 2,
              hot: str | os.PathLike[str] | None = None, hot_capacity: str | int | None = None,
-             flush: Flush | None = None, promote: bool | None = None, reuse_unchanged: bool = False) -> Store:
+             flush: Flush | None = None, promote: bool | None = None, reuse_unchanged: bool = False,
+             comm: Any = None) -> Store:
         """Open (and by default create) the store at `path`.
 
         With `hot=DIR`, `path` is the cold tier (shared, the truth) and DIR the
@@ -125,6 +131,9 @@ class Store:
         NotFoundError when `create=False` and nothing is there, InvalidArgumentError
         for a chunk size, pool size or worker count out of range. A missing
         catalog is rebuilt from the tier files.
+        `comm` (an mpi4py communicator, a torch.distributed group or "torch") makes saves collective:
+        every rank opens the same store and calls `save`/`save_async` in the same order (see
+        docs/distributed.md); opening is then collective too.
         """
         if pool_bytes is not None and pool_bytes <= 0:
             raise InvalidArgumentError(f"pool_bytes {pool_bytes} must be positive (or None: a share of RAM)")
@@ -146,6 +155,7 @@ class Store:
             store.flusher = Flusher(repo)
             store.flusher.resume()
         store.reuse_unchanged = reuse_unchanged
+        store.comm = as_comm(comm)
         return store
 
     def __enter__(self) -> Store:
@@ -271,7 +281,8 @@ class Store:
                    metrics: dict[str, Any] | None = None, message: str = "", allow_pickle: bool = False,
                    lazy: bool = False, optimizer: torch.optim.Optimizer | None = None,
                    fork_of: Any = None, explore: dict[str, Any] | None = None,
-                   reuse_unchanged: bool | None = None, _overlap: bool = False) -> SaveHandle:
+                   reuse_unchanged: bool | None = None, replicated: Sequence[str] | None = None,
+                   _overlap: bool = False) -> SaveHandle:
         """Start saving `state`; return once its tensors are copied (at once when `lazy`).
 
         `parents=None` makes the version a child of the branch head at commit
@@ -283,6 +294,9 @@ class Store:
         as when this store last saved it under the same key: no copy, no hash.
         Writes that bypass the version counter (through `.data`, numpy views
         or ctypes) are not seen, hence opt-in.
+        On a store opened with a communicator of several ranks the save is collective: each rank's
+        entries go into its own manifest, and entries under `replicated` (key prefixes or globs,
+        identical on every rank) are written once in total, spread over the ranks by bytes.
         Raises (before anything is written) UnsupportedValueError,
         InvalidNameError, NotFoundError for unknown parents, SaveFailedError
         for an earlier failed background save.
@@ -294,13 +308,15 @@ class Store:
                                metrics=metrics, message=message, fork_of=fork_of, explore=explore)
         use = self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged
         return self._saver.submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
-                                  reuse_unchanged=use, overlap=_overlap, t_call=t_call)
+                                  reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,
+                                  replicated=list(replicated or []))
 
     def _commit(self, job: SaveJob) -> Version:
         """Make the job's version visible (see `save.commit.make_visible`), then bookkeeping:
         reuse signatures, the flush queue, eviction. Runs on the pipeline thread."""
         objects = self.repo.objects
-        vid, data, to_flush = make_visible(
+        commit = make_visible if job.dist is None else partial(make_visible_collective, dist=job.dist)
+        vid, data, to_flush = commit(
             job, tier=self.tier, refs=self.refs, catalog=self.catalog,
             before_record=lambda: objects.restore_pins(job.pins), wants_flush=self._wants_flush,
             overwrite_chunks=self.cold is not None)
@@ -486,13 +502,19 @@ class Store:
         return self.manifest_of(self.version(ref), rank).info()
 
     def load(self, ref: Any = "main", *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
-             allow_pickle: bool = False, rank: int = 0) -> Any:
+             allow_pickle: bool = False, rank: int | None = None, comm: Any = None) -> Any:
         """The saved state, rebuilt with the same container types; tensors bit-exact.
 
-        `keys` selects key paths (exact, a prefix ending at a '.', or a glob).
-        Raises NotFoundError (ref, key), PrunedError, IntegrityError,
-        UnsupportedValueError (pickle without allow_pickle), DeviceError (before reading anything).
+        `keys` selects key paths (exact, a prefix ending at a '.', or a glob). A version saved by
+        several ranks: by default each rank of `comm` (default: the store's) gets its own entries;
+        at another world size, the replicated entries (from rank 0's manifest); `rank=r` reads
+        rank r's entries whatever the world size.
+        Raises NotFoundError (ref, key), PrunedError, IntegrityError, InvalidArgumentError (sharded
+        entries at another world size without rank=), UnsupportedValueError (pickle without
+        allow_pickle), DeviceError (before reading anything).
         """
+        if rank is None:
+            rank, keys = reader.rank_for(self.version(ref), self.comm if comm is None else as_comm(comm), keys)
         return reader.load(self.repo, ref, keys=keys, device=device, allow_pickle=allow_pickle, rank=rank,
                            executor=self._readers)
 

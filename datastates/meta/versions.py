@@ -45,6 +45,8 @@ class Version:
     """PBT exploit: the donor version this state was copied from."""
     explore: dict[str, Any] | None = None
     """PBT explore: {"old": {...}, "new": {...}} hyperparameter change."""
+    replicated: list[str] | None = None
+    """A collective save: the key patterns every rank holds identically (loadable at any world size)."""
     pruned: bool = field(default=False, compare=False)
     annotations: dict[str, Any] = field(default_factory=dict, compare=False)
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -56,6 +58,7 @@ class Version:
             created=self.created, hparams=self.hparams, metrics=self.metrics, message=self.message,
             branch=self.branch, world_size=self.world_size, bytes_total=self.bytes_total,
             bytes_new=self.bytes_new, chunks_new=self.chunks_new, fork_of=self.fork_of, explore=self.explore,
+            replicated=self.replicated,
         )
 
     @property
@@ -86,7 +89,7 @@ def decode_record(vid: str, data: bytes, **nonid: Any) -> Version:
         branch=rec.get("branch"), world_size=int(rec.get("world_size", 1)),
         bytes_total=int(rec.get("bytes_total", 0)), bytes_new=int(rec.get("bytes_new", 0)),
         chunks_new=int(rec.get("chunks_new", 0)), fork_of=rec.get("fork_of"), explore=rec.get("explore"),
-        **nonid,
+        replicated=rec.get("replicated"), **nonid,
     )
 
 

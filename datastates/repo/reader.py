@@ -10,8 +10,17 @@ from typing import Any
 
 import torch
 
-from ..errors import DeviceError, IntegrityError, InvalidNameError, NotFoundError, ShapeMismatchError
+from ..base.comm import Comm
+from ..errors import (
+    DeviceError,
+    IntegrityError,
+    InvalidArgumentError,
+    InvalidNameError,
+    NotFoundError,
+    ShapeMismatchError,
+)
 from ..meta.versions import Version
+from ..save.collective import matches
 from ..save.manifest import Manifest
 from ..save.tree import SKIP, dtype_from_name, unflatten
 from .repository import Repository
@@ -61,6 +70,28 @@ def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, devic
             out[i] = torch.empty(0, dtype=dt, device=dev).set_(
                 out[r["base"]].untyped_storage(), r["offset"], r["shape"], r["stride"])
     return unflatten(m.tree, lambda i: out.get(i, SKIP), allow_pickle, select=select)
+
+
+def rank_for(v: Version, comm: Comm, keys: Iterable[str] | str | None) -> tuple[int, Any]:
+    """Which rank's manifest a rank of `comm` loads of `v`, and the keys to read there: its own at the
+    world size `v` was saved with; else rank 0's, limited to the replicated entries.
+    Raises InvalidArgumentError when `v` has no replicated entries or `keys` asks for sharded ones."""
+    if v.world_size == 1:
+        return 0, keys
+    if v.world_size == comm.size:
+        return comm.rank, keys
+    hint = f"pass rank=r (0..{v.world_size - 1}) to read rank r's entries"
+    if not v.replicated:
+        raise InvalidArgumentError(f"version {v.short} was saved by {v.world_size} ranks with no replicated entries "
+                                   f"and this job has {comm.size}; {hint}")
+    if keys is None:
+        return 0, list(v.replicated)
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    sharded = [k for k in wanted if not matches(k, v.replicated)]
+    if sharded:
+        raise InvalidArgumentError(f"keys {sharded} of version {v.short} are not replicated (saved by "
+                                   f"{v.world_size} ranks, this job has {comm.size}); {hint}")
+    return 0, wanted
 
 
 def _read_rows(repo: Repository, m: Manifest, rows: list[int], executor: Executor | None) -> dict[int, torch.Tensor]:

@@ -114,5 +114,9 @@ class SaveJob:
     go: threading.Event = field(default_factory=threading.Event)
     """Set when the background may start: capture finished, or it waits for slots. Until then
     hashing stays off the cores so the caller's copy runs at full speed."""
+    dist: Any = None
+    """For a collective save: its `save.collective.DistPlan` (None on one process)."""
+    failure: BaseException | None = None
+    """A collective save's own failure, carried to the commit so every rank hears of it."""
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""

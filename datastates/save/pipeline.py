@@ -107,7 +107,12 @@ class Pipeline:
         while (job := self._jobs.get()) is not None:
             try:
                 with self._guard() if self._guard else nullcontext():
-                    self._process(job)
+                    try:
+                        self._process(job)
+                    except BaseException as exc:
+                        if job.dist is None:
+                            raise
+                        job.failure = exc  # the other ranks wait in the commit's collectives: tell them
                     version = self._commit(job)
                 job.handle._finish(version, None)
             except BaseException as exc:

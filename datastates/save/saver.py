@@ -16,10 +16,12 @@ from typing import Any
 
 import torch
 
+from ..base.comm import Comm
 from ..meta.versions import Version
 from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, capture
+from .collective import plan
 from .job import SaveHandle, SaveJob
 from .pipeline import Pipeline
 from .tree import flatten
@@ -47,14 +49,18 @@ class Saver:
 
     def submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
-               t_call: float) -> SaveHandle:
+               t_call: float, comm: Comm | None = None, replicated: list[str] | None = None) -> SaveHandle:
         """Flatten `state`, queue its job and capture it (in the background when `lazy`); returns its handle.
-        Raises UnsupportedValueError (from flatten) before anything is queued."""
+        With a communicator of several ranks the save is collective (see `save.collective`): every
+        rank must call it, in the same order. Raises UnsupportedValueError (from flatten), and for a
+        collective save InvalidArgumentError when the replicated entries differ across ranks, before
+        anything is queued."""
         tree, entries = flatten(state, allow_pickle=allow_pickle)
+        dist = plan(entries, replicated or [], comm) if comm is not None and comm.size > 1 else None
         handle = SaveHandle()
         job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
-                      ticket=self._capture_order.ticket())
-        if reuse_unchanged:
+                      ticket=self._capture_order.ticket(), dist=dist)
+        if reuse_unchanged and dist is None:
             self._reuse_unchanged(job)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies

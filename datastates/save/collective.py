@@ -1,0 +1,170 @@
+"""Saving one version from many ranks (data-parallel or sharded training).
+
+Each rank saves its own entries into its own manifest. Entries declared *replicated* (identical on
+every rank: DDP weights, their optimizer state) are hashed and written once in total: `plan` deals
+them out over the ranks by bytes, the same way on every rank, and a rank only references the chunks
+the owner wrote. `make_visible_collective` is where a distributed version becomes visible, in two
+phases: every rank seals its packs and reports; then rank 0 alone writes the record, indexes every
+rank's chunks and moves the branch, and tells the others the outcome. A rank that fails before the
+report (or dies: the launcher then ends the job) leaves nothing visible.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from collections.abc import Callable
+from dataclasses import astuple, dataclass, field
+from typing import Any
+
+import blake3
+
+from ..base.comm import Comm
+from ..errors import InvalidArgumentError, SaveFailedError
+from ..meta.catalog import Catalog, CommitBatch
+from ..meta.refs import RefStore
+from ..meta.versions import encode_record, record_dict
+from ..objects.chunks import ChunkLocation
+from ..objects.tier import Tier
+from . import manifest as mf
+from .job import SaveJob
+from .tree import TensorEntry, dtype_name
+
+
+@dataclass
+class DistPlan:
+    """One collective save: the communicator, the replicated patterns, and who writes what."""
+
+    comm: Comm
+    replicated: list[str]
+    owners: dict[int, int] = field(default_factory=dict)
+    """Row -> rank that hashes and writes it, for replicated rows holding bytes."""
+    remote: set[int] = field(default_factory=set)
+    """Rows this rank references but another rank writes (filled in from its report)."""
+
+
+def matches(key: str, patterns: list[str]) -> bool:
+    """Whether `key` is under one of the patterns: the key itself, a prefix ending at '.', or a glob."""
+    return any(key == p or key.startswith(p + ".") or fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def replicated_rows(entries: list[TensorEntry], patterns: list[str]) -> list[int]:
+    """Rows holding bytes whose every key is replicated (a shared storage counts when all its views do)."""
+    views: dict[int, list[str]] = {}
+    for e in entries:
+        if e.kind == "view":
+            views.setdefault(e.base, []).append(e.key)
+    out = []
+    for i, e in enumerate(entries):
+        own = e.kind == "tensor" and matches(e.key, patterns)
+        shared = e.kind == "storage" and bool(views.get(i)) and all(matches(k, patterns) for k in views[i])
+        if own or shared:
+            out.append(i)
+    return out
+
+
+def plan(entries: list[TensorEntry], patterns: list[str], comm: Comm) -> DistPlan:
+    """Deal the replicated rows out over the ranks, largest first, each to the rank with the fewest
+    bytes so far (ties: the lowest rank). Collective. Raises InvalidArgumentError, on every rank and
+    before anything is written, when the ranks' replicated entries differ (keys, dtypes, shapes)."""
+    rows = replicated_rows(entries, patterns)
+    sig = blake3.blake3(repr([(entries[i].key, dtype_name(entries[i].dtype), entries[i].shape, entries[i].nbytes)
+                              for i in rows]).encode()).hexdigest()
+    sigs = comm.allgather((sig, len(rows)))
+    if len({s for s, _ in sigs}) != 1:
+        counts = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(sigs))
+        raise InvalidArgumentError(
+            f"the entries declared replicated differ across ranks ({counts} replicated tensors, or other keys, "
+            "dtypes or shapes); replicated=[...] must name entries that are identical on every rank")
+    load = [0] * comm.size
+    owners: dict[int, int] = {}
+    for i in sorted(rows, key=lambda i: (-entries[i].nbytes, entries[i].key)):
+        r = min(range(comm.size), key=lambda k: (load[k], k))
+        owners[i] = r
+        load[r] += entries[i].nbytes
+    p = DistPlan(comm, list(patterns), owners)
+    p.remote = {i for i, r in owners.items() if r != comm.rank}
+    for i in p.remote:
+        entries[i].source = None  # neither copied nor hashed here: the owner writes it
+    return p
+
+
+def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: RefStore, catalog: Catalog,
+                            before_record: Callable[[], None], wants_flush: Callable[[str | None], bool],
+                            overwrite_chunks: bool) -> tuple[str, bytes, bool]:
+    """Commit a collective save from every rank (call on every rank, in the same save order).
+    Returns (id, record bytes, queued for cold) on every rank. Raises SaveFailedError on every rank
+    when any rank failed to report or rank 0 failed to commit: then nothing is visible."""
+    comm = dist.comm
+    mine = {str(i): (job.entries[i].chunks, job.entries[i].stats) for i, r in dist.owners.items() if r == comm.rank}
+    failure = None if job.failure is None else f"{type(job.failure).__name__}: {job.failure}"
+    reports = comm.allgather({"rows": mine, "failure": failure})
+    failed = [f"rank {r}: {rep['failure']}" for r, rep in enumerate(reports) if rep["failure"]]
+    if job.failure is not None:
+        raise job.failure
+    if failed:
+        raise SaveFailedError(f"the collective save failed on {'; '.join(failed)}; nothing is visible")
+    for i in dist.remote:
+        chunks, stats = reports[dist.owners[i]]["rows"][str(i)]
+        job.entries[i].chunks, job.entries[i].stats = list(chunks), dict(stats)
+    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size)
+    tier.write_manifest(mid, mdata)
+    job.timings["rank_bytes_written"] = job.bytes_new  # what this rank wrote (the record sums every rank's)
+    packs = {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name} for w in job.packs}
+    phase1 = comm.allgather({"mid": mid, "chunks": [(c, astuple(loc)) for c, loc in job.new_chunks.items()],
+                             "packs": packs, "bytes_new": job.bytes_new, "chunks_new": len(job.new_chunks),
+                             "bytes_total": sum(e.nbytes for i, e in enumerate(job.entries) if i not in dist.remote)})
+    outcome: Any = None
+    if comm.rank == 0:
+        try:
+            outcome = _commit_on_root(job, dist, phase1, tier=tier, refs=refs, catalog=catalog,
+                                      before_record=before_record, wants_flush=wants_flush,
+                                      overwrite_chunks=overwrite_chunks)
+        except BaseException as exc:  # every rank must hear of it, or the others would wait forever
+            outcome = ("error", f"{type(exc).__name__}: {exc}")
+            comm.bcast(outcome)
+            raise
+    outcome = comm.bcast(outcome)
+    if outcome[0] == "error":
+        raise SaveFailedError(f"rank 0 could not commit the collective save: {outcome[1]}; nothing is visible")
+    _, vid, data, to_flush = outcome
+    job.committed = True
+    return vid, data, to_flush
+
+
+def _commit_on_root(job: SaveJob, dist: DistPlan, phase1: list[dict[str, Any]], *, tier: Tier, refs: RefStore,
+                    catalog: Catalog, before_record: Callable[[], None], wants_flush: Callable[[str | None], bool],
+                    overwrite_chunks: bool) -> tuple[str, str, bytes, bool]:
+    req = job.request
+    branch = req["branch"]
+    chunks: dict[bytes, ChunkLocation] = {}
+    packs: dict[str, dict[str, Any]] = {}
+    for rep in phase1:
+        for cid, loc in rep["chunks"]:
+            chunks.setdefault(cid, ChunkLocation(*loc))  # the same bytes written twice: one copy is enough
+        packs.update(rep["packs"])
+    with refs.locked():
+        before_record()
+        head = refs.get("branch", branch) if branch else None
+        parents = req["parents"] if req["parents"] is not None else ([head] if head else [])
+        rec = record_dict(
+            parents=parents, manifests={str(r): rep["mid"] for r, rep in enumerate(phase1)}, step=req["step"],
+            epoch=req["epoch"], created=time.time(), hparams=req["hparams"], metrics=req["metrics"],
+            message=req["message"], branch=branch, world_size=dist.comm.size,
+            bytes_total=sum(rep["bytes_total"] for rep in phase1),
+            bytes_new=sum(rep["bytes_new"] for rep in phase1), chunks_new=len(chunks),
+            fork_of=req["fork_of"], explore=req["explore"], replicated=sorted(dist.replicated) or None,
+        )
+        vid, data = encode_record(rec)
+        tier.write_record(vid, data)
+        job.timings["durable_s"] = time.perf_counter() - job.t0
+        extra: dict[str, Any] = {"timings": job.timings}
+        to_flush = wants_flush(branch)
+        if to_flush:
+            extra["flush"] = "pending"
+        catalog.commit(CommitBatch(vid, data, parents, list(chunks.items()), packs, extra,
+                                   overwrite_chunks=overwrite_chunks))
+        job.committed = True
+        if branch:
+            refs.set_if_equals("branch", branch, head, vid, f"save: {req['message']}".strip(), locked=True)
+    return "ok", vid, data, to_flush

@@ -1,0 +1,112 @@
+"""One rank of a collective save or load, launched by tests/test_distributed.py under a real `mpiexec`
+(mpi4py) or as one of N processes of a torch.distributed gloo group.
+
+    python dist_job.py BACKEND STORE MODE [INIT_FILE]
+    BACKEND: mpi | torch (torch: RANK and WORLD_SIZE in the environment, INIT_FILE the rendezvous)
+    MODE:    save   - save two versions (sync, then async) with replicated "model" and "optim" and a
+                      per-rank "shard"; print one JSON line per version with this rank's bytes written
+             load   - load "main" and check what this world size can get, bit-exact; print JSON
+             killed - rank 1 SIGKILLs itself just before its commit report (after its packs are sealed)
+             mismatch - rank 1's replicated "model" has another shape: every rank must refuse the save
+
+Every rank appends its results as JSON lines to $DIST_OUT/<rank>.jsonl (mpiexec may interleave the
+ranks' stdout mid-line); the test reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import torch
+
+import datastates as ds
+
+N_REPLICATED = 16
+ELEMS = 16384  # 64 KiB of float32 per replicated tensor
+
+
+def replicated_state(step: int) -> dict[str, dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1000 + step)
+    model = {f"layer{i}.weight": torch.randn(ELEMS, generator=g) for i in range(N_REPLICATED // 2)}
+    optim = {f"exp_avg.{i}": torch.randn(ELEMS, generator=g) for i in range(N_REPLICATED // 2)}
+    return {"model": model, "optim": optim}
+
+
+def shard(rank: int, step: int) -> torch.Tensor:
+    return torch.full((1024,), float(rank * 100 + step))
+
+
+def report(rank: int, obj: dict[str, object]) -> None:
+    with open(os.path.join(os.environ["DIST_OUT"], f"{rank}.jsonl"), "a") as f:
+        f.write(json.dumps(obj) + "\n")
+
+
+def comm_for(backend: str, init_file: str | None) -> object:
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    return "torch"
+
+
+def main() -> None:
+    backend, path, mode = sys.argv[1:4]
+    comm = comm_for(backend, sys.argv[4] if len(sys.argv) > 4 else None)
+    store = ds.Store.open(path, comm=comm)
+    rank, size = store.comm.rank, store.comm.size
+    if mode == "killed" and rank == 1:
+        import datastates.store as store_module
+
+        original = store_module.make_visible_collective
+
+        def die(*args: object, **kw: object) -> object:
+            os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9, at the instant under test
+            return original(*args, **kw)  # type: ignore[arg-type]
+
+        store_module.make_visible_collective = die  # type: ignore[assignment]
+    if mode in ("save", "killed"):
+        for step in (1, 2):
+            state = {**replicated_state(step), "shard": shard(rank, step)}
+            if step == 1:
+                v = store.save(state, step=step, replicated=["model", "optim"])
+            else:
+                v = store.save_async(state, step=step, replicated=["model", "optim"]).result()
+            report(rank, {"rank": rank, "size": size, "step": step, "id": v.id,
+                                          "written": v.timings.get("rank_bytes_written"),
+                                          "world_size": v.world_size})
+    elif mode == "mismatch":
+        state = replicated_state(1)
+        if rank == 1:
+            state["model"]["layer0.weight"] = torch.zeros(3)
+        try:
+            store.save({**state, "shard": shard(rank, 1)}, step=1, replicated=["model", "optim"])
+            outcome = "saved"
+        except ds.DataStatesError as exc:
+            outcome = type(exc).__name__
+        report(rank, {"rank": rank, "outcome": outcome,
+                                      "versions": len(store.find(""))})
+    elif mode == "load":
+        v = store.version("main")
+        got = store.load("main")
+        want = replicated_state(v.step or 0)
+        same = all(torch.equal(got[g][k], want[g][k]) for g in want for k in want[g])
+        shards = {}
+        for r in range(v.world_size):  # any rank can read any rank's sharded entries explicitly
+            shards[r] = bool(torch.equal(store.load("main", rank=r, keys=["shard"])["shard"], shard(r, v.step or 0)))
+        own = "shard" in got
+        if own:
+            own = bool(torch.equal(got["shard"], shard(rank, v.step or 0)))
+        report(rank, {"rank": rank, "size": size, "replicated_ok": same, "keys": sorted(got),
+                                      "own_shard_ok": own, "shards_ok": shards})
+    store.close()
+
+
+if __name__ == "__main__":
+    main()

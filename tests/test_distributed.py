@@ -1,0 +1,170 @@
+"""Collective saves and loads over real `mpiexec` (mpi4py, the mpich wheel) and torch.distributed (gloo).
+
+Each launch runs tests/helpers/dist_job.py on every rank under an outer timeout; the ranks write
+JSON lines into a fresh directory, which these tests check.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import datastates as ds
+from datastates.base.comm import SingleComm
+from datastates.meta.versions import Version
+from datastates.repo.reader import rank_for
+
+JOB = Path(__file__).parent / "helpers" / "dist_job.py"
+MPIEXEC = shutil.which("mpiexec") or str(Path(sys.executable).parent / "mpiexec")
+LAUNCH_TIMEOUT = 240
+REPLICATED_BYTES = 16 * 16384 * 4  # 16 tensors of 64 KiB (see dist_job.py)
+SHARD_BYTES = 1024 * 4
+
+mpi = pytest.mark.skipif(not Path(MPIEXEC).exists(), reason="needs mpiexec (pip install mpich mpi4py)")
+
+
+def _outdir(store: Path) -> Path:
+    n = 0
+    while (store.parent / f"out-{n}").exists():
+        n += 1
+    out = store.parent / f"out-{n}"
+    out.mkdir()
+    return out
+
+
+def _read(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+def mpirun(n: int, store: Path, mode: str, check: bool = True) -> tuple[int, list[dict[str, Any]]]:
+    """Run the job on n ranks; (mpiexec's exit status, every rank's results)."""
+    out = _outdir(store)
+    proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(JOB), "mpi", str(store), mode],
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                          env={**os.environ, "DIST_OUT": str(out)})
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return proc.returncode, _read(out)
+
+
+def torchrun(n: int, store: Path, mode: str, init: Path) -> list[dict[str, Any]]:
+    out = _outdir(store)
+    env = {**os.environ, "WORLD_SIZE": str(n), "DIST_OUT": str(out)}
+    procs = [subprocess.Popen([sys.executable, str(JOB), "torch", str(store), mode, str(init)],
+                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
+    try:
+        for p in procs:
+            stdout, stderr = p.communicate(timeout=LAUNCH_TIMEOUT)
+            assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    finally:
+        for p in procs:
+            p.kill()
+    return _read(out)
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_replicated_entries_are_written_once_spread_over_ranks_and_load_at_any_world_size(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    _, saved = mpirun(4, store, "save")
+    assert len(saved) == 8  # 4 ranks x 2 versions (a sync save, then save_async)
+    for step in (1, 2):
+        rows = [r for r in saved if r["step"] == step]
+        assert len({r["id"] for r in rows}) == 1 and all(r["world_size"] == 4 for r in rows)
+        written = [r["written"] - SHARD_BYTES for r in rows]  # each rank also writes its own shard
+        assert sum(written) == REPLICATED_BYTES  # every replicated byte written exactly once
+        assert max(written) <= 1.5 * (REPLICATED_BYTES / 4)  # spread within 1.5x of even
+    with ds.Store.open(store) as s:
+        v = s.version("main")
+        assert v.world_size == 4 and sorted(v.manifests) == ["0", "1", "2", "3"] and v.replicated == ["model", "optim"]
+        assert v.bytes_new == REPLICATED_BYTES + 4 * SHARD_BYTES
+        assert s.fsck().ok
+    for n in (4, 2, 3):  # the same world size, then fewer ranks than saved
+        _, loaded = mpirun(n, store, "load")
+        assert len(loaded) == n
+        assert all(r["replicated_ok"] and all(r["shards_ok"].values()) and len(r["shards_ok"]) == 4 for r in loaded)
+        assert all(r["own_shard_ok"] == (n == 4) for r in loaded)  # own shards only at the saved world size
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_a_version_saved_by_two_ranks_loads_on_four(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    mpirun(2, store, "save")
+    _, loaded = mpirun(4, store, "load")
+    assert sorted(r["rank"] for r in loaded) == [0, 1, 2, 3]
+    assert all(r["replicated_ok"] and r["keys"] == ["model", "optim"] and r["shards_ok"] == {"0": True, "1": True}
+               for r in loaded)
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_a_rank_killed_mid_save_leaves_nothing_visible_and_the_next_save_works(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    status, out = mpirun(2, store, "killed", check=False)
+    assert status != 0 and out == []  # rank 1 died before any version was committed
+    with ds.Store.open(store) as s:
+        assert s.find("") == []
+        assert s.branches() == {}
+        assert not s.fsck().ok  # the sealed packs of the interrupted save are reported ...
+        assert s.fsck(repair=True).repaired  # ... and removed by repair
+        assert s.fsck().ok
+    _, saved = mpirun(2, store, "save")
+    assert len({r["id"] for r in saved if r["step"] == 2}) == 1
+    with ds.Store.open(store) as s:
+        assert [v.step for v in s.log("main")] == [2, 1] and s.fsck().ok
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_replicated_entries_that_differ_across_ranks_are_refused_on_every_rank(tmp_path: Path) -> None:
+    _, out = mpirun(2, tmp_path / "store", "mismatch")
+    assert sorted(r["rank"] for r in out) == [0, 1]
+    assert all(r["outcome"] == "InvalidArgumentError" and r["versions"] == 0 for r in out)
+
+
+@pytest.mark.timeout(600)
+def test_torch_distributed_gloo_three_ranks_save_and_two_ranks_load(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    saved = torchrun(3, store, "save", tmp_path / "init-save")
+    assert len(saved) == 6 and len({r["id"] for r in saved if r["step"] == 2}) == 1
+    written = [r["written"] - SHARD_BYTES for r in saved if r["step"] == 2]
+    assert sum(written) == REPLICATED_BYTES and max(written) <= 1.5 * REPLICATED_BYTES / 3
+    loaded = torchrun(2, store, "load", tmp_path / "init-load")
+    assert len(loaded) == 2 and all(r["replicated_ok"] and len(r["shards_ok"]) == 3 for r in loaded)
+
+
+def test_rank_for_picks_the_manifest_each_world_size_can_read() -> None:
+    v = Version(id="ab" * 32, parents=(), manifests={"0": "m0", "1": "m1"}, world_size=2, replicated=["model"])
+    one = SingleComm()
+    assert rank_for(v, one, None) == (0, ["model"])  # another world size: rank 0's replicated entries
+    assert rank_for(v, one, ["model.fc"]) == (0, ["model.fc"])
+    with pytest.raises(ds.InvalidArgumentError, match="rank=r"):
+        rank_for(v, one, ["shard"])
+    sharded_only = Version(id="cd" * 32, parents=(), manifests={"0": "m0", "1": "m1"}, world_size=2)
+    with pytest.raises(ds.InvalidArgumentError, match="no replicated entries"):
+        rank_for(sharded_only, one, None)
+    single = Version(id="ef" * 32, parents=(), manifests={"0": "m0"})
+    assert rank_for(single, one, ["x"]) == (0, ["x"])
+
+
+def test_a_store_without_comm_saves_as_one_rank(tmp_path: Path) -> None:
+    import torch
+
+    with ds.Store.open(tmp_path / "s") as s:
+        v = s.save({"model": {"w": torch.ones(3)}}, replicated=["model"])
+        assert v.world_size == 1 and v.replicated is None and s.comm.size == 1
+        with pytest.raises(ds.InvalidArgumentError, match="not a communicator"):
+            ds.Store.open(tmp_path / "t", comm=object())
