@@ -33,6 +33,16 @@ from .store import Store
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str) -> object:
+    # `ds.dcp` imports torch.distributed.checkpoint only when asked for.
+    if name == "dcp":
+        import importlib
+
+        return importlib.import_module("datastates.dcp")
+    raise AttributeError(f"module 'datastates' has no attribute {name!r}")
+
+
 __all__ = [
     "AmbiguousRefError", "ConflictError", "DataStatesError", "DeviceError", "Flush", "IntegrityError",
     "InvalidArgumentError", "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "SaveFailedError",

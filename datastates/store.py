@@ -56,7 +56,7 @@ from .repo.opening import open_repository
 from .repo.repository import Repository
 from .save.buffers import BufferPool
 from .save.collective import make_visible_collective
-from .save.commit import make_fork_visible, make_visible
+from .save.commit import Staged, make_fork_visible, make_staged_visible, make_visible, stage
 from .save.job import SaveHandle, SaveJob
 from .save.manifest import Manifest, TensorInfo
 from .save.pipeline import Pipeline
@@ -311,9 +311,11 @@ class Store:
                                   reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,
                                   replicated=list(replicated or []))
 
-    def _commit(self, job: SaveJob) -> Version:
+    def _commit(self, job: SaveJob) -> Version | Staged:
         """Make the job's version visible (see `save.commit.make_visible`), then bookkeeping:
         reuse signatures, the flush queue, eviction. Runs on the pipeline thread."""
+        if job.request.get("stage"):
+            return stage(job, tier=self.tier)
         objects = self.repo.objects
         commit = make_visible if job.dist is None else partial(make_visible_collective, dist=job.dist)
         vid, data, to_flush = commit(
@@ -338,6 +340,33 @@ class Store:
     def _dedup(self, job: SaveJob | None, cids: list[bytes]) -> list[bool]:
         """May `job` name these chunks without writing them? (pins reused hot packs; see ObjectStore.dedup)"""
         return self.repo.objects.dedup(job.pins if job is not None else None, cids)
+
+    def stage(self, state: Any) -> Staged:
+        """For storage plugins (DCP): write `state`'s chunks and manifest and describe them, making
+        nothing visible; `commit_staged` then names the parts of every rank in one version.
+        Raises what `save` raises before writing."""
+        self._check_open()
+        self._raise_pending()
+        request = save_request(self.resolve, branch=None, parents=None, step=None, epoch=None, hparams=None,
+                               metrics=None, message="", fork_of=None, explore=None) | {"stage": True}
+        staged = self._saver.submit(state, request, allow_pickle=False, lazy=False, optimizer=None,
+                                    reuse_unchanged=False, overlap=True, t_call=time.perf_counter()).result()
+        assert isinstance(staged, Staged)
+        return staged
+
+    def commit_staged(self, parts: dict[str, Staged], *, world_size: int, branch: str | None = "main",
+                      parents: Sequence[Any] | None = None, step: int | None = None, hparams: Any = None,
+                      metrics: Any = None, message: str = "") -> Version:
+        """One version naming staged parts (manifest key -> part, e.g. {"0": ..., "1": ...}), saved by
+        `world_size` ranks. Raises what `save` raises for its arguments, before anything is written."""
+        self._check_open()
+        request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=None, hparams=hparams,
+                               metrics=metrics, message=message, fork_of=None, explore=None)
+        vid, to_flush = make_staged_visible(parts, request, world_size=world_size, tier=self.tier, refs=self.refs,
+                                            catalog=self.catalog, wants_flush=self._wants_flush)
+        if to_flush and self.flusher is not None:
+            self.flusher.enqueue(vid)
+        return self.version(vid)
 
     # tiers ---------------------------------------------------------------------------
     def _wants_flush(self, branch: str | None) -> bool:
@@ -494,7 +523,7 @@ class Store:
     def manifest(self, mid: str) -> Manifest:
         return self.repo.manifest(mid)
 
-    def manifest_of(self, v: Version, rank: int = 0) -> Manifest:
+    def manifest_of(self, v: Version, rank: int | str = 0) -> Manifest:
         return self.repo.manifest_of(v, rank)
 
     def ls(self, ref: Any = "main", rank: int = 0) -> list[TensorInfo]:
@@ -502,7 +531,7 @@ class Store:
         return self.manifest_of(self.version(ref), rank).info()
 
     def load(self, ref: Any = "main", *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
-             allow_pickle: bool = False, rank: int | None = None, comm: Any = None) -> Any:
+             allow_pickle: bool = False, rank: int | str | None = None, comm: Any = None) -> Any:
         """The saved state, rebuilt with the same container types; tensors bit-exact.
 
         `keys` selects key paths (exact, a prefix ending at a '.', or a glob). A version saved by

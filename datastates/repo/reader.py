@@ -30,7 +30,7 @@ ALIASES = {"optimizer": ("optim", "opt"), "optim": ("optimizer", "opt"), "schedu
 
 
 def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
-         allow_pickle: bool = False, rank: int = 0, executor: Executor | None = None) -> Any:
+         allow_pickle: bool = False, rank: int | str = 0, executor: Executor | None = None) -> Any:
     """The saved state, rebuilt with the same container types; tensors bit-exact.
 
     `keys` selects key paths (exact, a prefix ending at a '.', or a glob).

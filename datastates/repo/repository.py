@@ -208,7 +208,7 @@ class Repository:
             self._manifests[mid] = m
         return m
 
-    def manifest_of(self, v: Version, rank: int = 0) -> Manifest:
+    def manifest_of(self, v: Version, rank: int | str = 0) -> Manifest:
         if v.pruned:
             raise PrunedError(f"version {v.short} was pruned: its record is kept for lineage, its tensors are gone")
         mid = v.manifests.get(str(rank))

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import astuple, dataclass
 from typing import Any
 
 from ..meta.catalog import Catalog, CommitBatch
 from ..meta.refs import RefStore
 from ..meta.versions import encode_record, record_dict
+from ..objects.chunks import ChunkLocation
 from ..objects.tier import Tier
 from . import manifest as mf
 from .job import SaveJob
@@ -71,3 +73,59 @@ def make_fork_visible(rec: dict[str, Any], *, tier: Tier, refs: RefStore, catalo
         if branch:
             refs.set_if_equals("branch", branch, refs.get("branch", branch), vid, message, locked=True)
     return vid
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A rank's part of a version written by a storage plugin: its manifest and the chunks it added,
+    durable but named by no record yet (`make_staged_visible` names them; until then fsck counts
+    its packs as leftovers of an interrupted save)."""
+
+    mid: str
+    chunks: list[tuple[bytes, tuple[Any, ...]]]
+    """(chunk id, ChunkLocation fields) of every chunk this part wrote."""
+    packs: dict[str, dict[str, Any]]
+    bytes_total: int
+    bytes_new: int
+
+
+def stage(job: SaveJob, *, tier: Tier) -> Staged:
+    """Write a saved job's manifest and describe it, without a record: nothing becomes visible."""
+    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size)
+    tier.write_manifest(mid, mdata)
+    return Staged(mid, [(c, astuple(loc)) for c, loc in job.new_chunks.items()],
+                  {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name} for w in job.packs},
+                  sum(e.nbytes for e in job.entries), job.bytes_new)
+
+
+def make_staged_visible(parts: dict[str, Staged], request: dict[str, Any], *, world_size: int, tier: Tier,
+                        refs: RefStore, catalog: Catalog,
+                        wants_flush: Callable[[str | None], bool]) -> tuple[str, bool]:
+    """Name staged parts (rank -> part) in one record: index their chunks, write the record, move the
+    branch. Returns (id, queued for cold). A crash before the catalog commit leaves nothing visible."""
+    chunks: dict[bytes, ChunkLocation] = {}
+    packs: dict[str, dict[str, Any]] = {}
+    for part in parts.values():
+        for cid, loc in part.chunks:
+            chunks.setdefault(cid, ChunkLocation(*loc))
+        packs.update(part.packs)
+    branch = request["branch"]
+    with tier.writing(), refs.locked():
+        head = refs.get("branch", branch) if branch else None
+        parents = request["parents"] if request["parents"] is not None else ([head] if head else [])
+        rec = record_dict(
+            parents=parents, manifests={k: p.mid for k, p in parts.items()}, step=request["step"],
+            epoch=request["epoch"], created=time.time(), hparams=request["hparams"], metrics=request["metrics"],
+            message=request["message"], branch=branch, world_size=world_size,
+            bytes_total=sum(p.bytes_total for p in parts.values()),
+            bytes_new=sum(p.bytes_new for p in parts.values()), chunks_new=len(chunks),
+            fork_of=request["fork_of"], explore=request["explore"],
+        )
+        vid, data = encode_record(rec)
+        tier.write_record(vid, data)
+        to_flush = wants_flush(branch)
+        extra: dict[str, Any] = {"flush": "pending"} if to_flush else {}
+        catalog.commit(CommitBatch(vid, data, parents, list(chunks.items()), packs, extra))
+        if branch:
+            refs.set_if_equals("branch", branch, head, vid, f"save: {request['message']}".strip(), locked=True)
+    return vid, to_flush

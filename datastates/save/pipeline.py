@@ -31,7 +31,7 @@ from .stats import Partial, partial
 from .tree import TensorEntry
 
 if TYPE_CHECKING:
-    from ..meta.versions import Version
+    pass
 
 Hashed = list[tuple[bytes, Partial | None, bytes | None]]
 
@@ -63,7 +63,7 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
 class Pipeline:
     """The background half: one thread that takes jobs in order, plus hashing workers."""
 
-    def __init__(self, commit: Callable[[SaveJob], Version],
+    def __init__(self, commit: Callable[[SaveJob], Any],
                  has_chunks: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], pool: BufferPool, workers: int = 2, zstd_level: int = 0,
                  pack_bytes: int = 1 << 31, on_error: Callable[[SaveJob, BaseException], None] | None = None,

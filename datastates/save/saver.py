@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from ..base.comm import Comm
-from ..meta.versions import Version
 from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, capture
@@ -33,7 +32,7 @@ Reused = tuple[tuple[object, ...], list[bytes], dict[str, Any], int]
 class Saver:
     """Owns the pool, the pipeline and the capture order of one store; thread-safe `submit`."""
 
-    def __init__(self, commit: Callable[[SaveJob], Version], dedup: Callable[[SaveJob | None, list[bytes]], list[bool]],
+    def __init__(self, commit: Callable[[SaveJob], Any], dedup: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], guard: Callable[[], AbstractContextManager[None]], *,
                  chunk_size: int, pool_bytes: int, workers: int, zstd_level: int,
                  on_error: Callable[[SaveJob, BaseException], None]) -> None:
