@@ -135,6 +135,18 @@ def test_mpi_replicated_entries_that_differ_across_ranks_are_refused_on_every_ra
     assert all(r["outcome"] == "InvalidArgumentError" and r["versions"] == 0 for r in out)
 
 
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_a_failing_rank_fails_the_save_on_every_rank_and_the_next_save_works(tmp_path: Path) -> None:
+    _, out = mpirun(2, tmp_path / "store", "failrank")
+    assert sorted(r["rank"] for r in out) == [0, 1]
+    assert all(r["first"] == "SaveFailedError" and r["visible_after_failure"] == 0 for r in out)
+    assert len({r["second"] for r in out}) == 1 and all(r["log"] == [2] for r in out)
+    with ds.Store.open(tmp_path / "store") as s:
+        assert s.fsck().ok  # the failed save's packs were removed by each rank
+
+
 @pytest.mark.timeout(600)
 def test_torch_distributed_gloo_three_ranks_save_and_two_ranks_load(tmp_path: Path) -> None:
     store = tmp_path / "store"

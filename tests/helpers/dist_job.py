@@ -8,6 +8,8 @@
              load   - load "main" and check what this world size can get, bit-exact; print JSON
              killed - rank 1 SIGKILLs itself just before its commit report (after its packs are sealed)
              mismatch - rank 1's replicated "model" has another shape: every rank must refuse the save
+             failrank - rank 1's pack writes fail (OSError) in the first save: every rank must get
+                        SaveFailedError, nothing visible; then a second save works on every rank
 
 Every rank appends its results as JSON lines to $DIST_OUT/<rank>.jsonl (mpiexec may interleave the
 ranks' stdout mid-line); the test reads them.
@@ -92,6 +94,29 @@ def main() -> None:
             outcome = type(exc).__name__
         report(rank, {"rank": rank, "outcome": outcome,
                                       "versions": len(store.find(""))})
+    elif mode == "failrank":
+        from datastates.objects.packs import PackWriter
+
+        original_add = PackWriter.add
+        if rank == 1:
+            def failing_add(self: PackWriter, *args: object, **kw: object) -> object:
+                raise OSError(28, "No space left on device (injected)")
+
+            PackWriter.add = failing_add  # type: ignore[method-assign]
+        try:
+            store.save({**replicated_state(1), "shard": shard(rank, 1)}, step=1, replicated=["model", "optim"])
+            first = "saved"
+        except ds.DataStatesError as exc:
+            first = type(exc).__name__
+        PackWriter.add = original_add  # type: ignore[method-assign]
+        try:
+            store.wait()  # a failed background save is reported once more, by the next call (as on one process)
+        except ds.SaveFailedError:
+            pass
+        visible = len(store.find(""))
+        v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
+        report(rank, {"rank": rank, "first": first, "visible_after_failure": visible, "second": v.id,
+                      "log": [x.step for x in store.log("main")]})
     elif mode == "load":
         v = store.version("main")
         got = store.load("main")
