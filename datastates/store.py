@@ -542,6 +542,7 @@ class Store:
         entries at another world size without rank=), UnsupportedValueError (pickle without
         allow_pickle), DeviceError (before reading anything).
         """
+        self._check_open()
         if rank is None:
             rank, keys = reader.rank_for(self.version(ref), self.comm if comm is None else as_comm(comm), keys)
         return reader.load(self.repo, ref, keys=keys, device=device, allow_pickle=allow_pickle, rank=rank,
