@@ -45,14 +45,13 @@ def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, devic
     if keys is not None:
         select = _key_selector([keys] if isinstance(keys, str) else list(keys), _tree_paths(m.tree), v)
     rows = m.rows
-    wanted: list[int] = []
+    wanted: dict[int, None] = {}  # an ordered set: bases before the rows that point at them
 
     def want(i: int) -> None:
         r = rows[i]
         if r["kind"] in ("alias", "view"):
             want(r["base"])
-        if i not in wanted:
-            wanted.append(i)
+        wanted.setdefault(i)
 
     for i, r in enumerate(rows):
         if r["kind"] != "storage" and (select is None or select(r["key"])):
