@@ -5,6 +5,11 @@ Messages name the object that was involved and say what to do next.
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
 
 class DataStatesError(Exception):
     """Base class of every error raised by datastates."""
@@ -78,3 +83,22 @@ class DeviceError(DataStatesError, ValueError):
 
 class StorageFullError(DataStatesError, OSError):
     """A tier ran out of space (ENOSPC); nothing of the failed save is visible."""
+
+
+class UnexpectedArgumentError(InvalidArgumentError, TypeError):
+    """A keyword the call does not take (a typo such as `stpe=`); a TypeError as Python's own would be."""
+
+
+def check_keywords(call: str, given: Iterable[str], target: Callable[..., Any], *,
+                   hidden: Iterable[str] = ()) -> None:
+    """Raise UnexpectedArgumentError naming `call` and the closest keywords of `target` for each
+    name in `given` that `target` does not take (`hidden` names are neither accepted nor suggested)."""
+    params = inspect.signature(target).parameters
+    known = [n for n, p in params.items() if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+             and n not in ("self", *hidden)]
+    for name in given:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"; did you mean {', '.join(f'{c}=' for c in close)}?" if close else \
+                f"; it takes {', '.join(known)}"
+            raise UnexpectedArgumentError(f"{call}() got an unexpected keyword argument {name!r}{hint}")

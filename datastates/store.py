@@ -35,6 +35,7 @@ from .errors import (
     InvalidArgumentError,
     PrunedError,
     SaveFailedError,
+    check_keywords,
 )
 from .maintenance.eviction import Evictor
 from .maintenance.flush import Flusher
@@ -273,7 +274,11 @@ class Store:
 
     # saving --------------------------------------------------------------------
     def save(self, state: Any, *, branch: str | None = "main", **kw: Any) -> Version:
-        """Save `state` and wait until it is durable; see `save_async` for the arguments."""
+        """Save `state` and wait until it is durable; see `save_async` for the arguments.
+
+        Raises UnexpectedArgumentError (a TypeError) naming `save` and the closest keyword for a typo.
+        """
+        check_keywords("save", kw, Store.save_async, hidden=("_overlap",))
         return self.save_async(state, branch=branch, _overlap=True, **kw).result()
 
     def save_async(self, state: Any, *, branch: str | None = "main", parents: Sequence[Any] | None = None,

@@ -38,6 +38,11 @@ def check_name(name: str, what: str = "branch") -> str:
     if not isinstance(name, str) or not name:
         raise InvalidNameError(f"{what} name {name!r} is empty or not a string; give a name like 'main'")
     why = None
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidNameError(f"{what} name {name!r} contains a lone surrogate, which is not text; "
+                               "use letters, digits, '-', '_', '.', '/'") from None
     if len(name.encode()) > 255 or len(_encode(name).encode()) > 255:
         why = "is longer than 255 bytes (each '/' or '%' counts as 3 in the file name)"
     elif ".." in name:

@@ -50,6 +50,8 @@ class Version:
     pruned: bool = field(default=False, compare=False)
     annotations: dict[str, Any] = field(default_factory=dict, compare=False)
     timings: dict[str, float] = field(default_factory=dict, compare=False)
+    invalid: tuple[str, ...] = field(default=(), compare=False)
+    """Record fields a buggy or older writer stored with the wrong type; they read as empty."""
 
     def record(self) -> dict[str, Any]:
         """The hashed fields, as stored in the record file."""
@@ -79,44 +81,151 @@ def encode_record(rec: dict[str, Any]) -> tuple[str, bytes]:
     return blake3.blake3(data).hexdigest(), data
 
 
+def readable(rec: Any) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """A record as readers may use it, and the names of the fields that were not of their type.
+
+    Records are immutable, so one a buggy or older writer produced (metrics=0.5, step="3") stays in
+    the store for good: readers take it through here and see such a field as empty (None or {}),
+    never crash on it. fsck and `show` report the invalid names.
+    """
+    if not isinstance(rec, dict):
+        return {}, ("record",)
+    out = dict(rec)
+    bad: list[str] = []
+    for name in ("hparams", "metrics", "explore"):
+        v = out.get(name)
+        if v is not None and not (isinstance(v, dict) and all(isinstance(k, str) for k in v)):
+            bad.append(name)
+            out[name] = {} if name != "explore" else None
+    for name in ("step", "epoch"):
+        v = out.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            bad.append(name)
+            out[name] = None
+    for name, default in (("world_size", 1), ("bytes_total", 0), ("bytes_new", 0), ("chunks_new", 0)):
+        v = out.get(name, default)
+        if isinstance(v, bool) or not isinstance(v, int):
+            bad.append(name)
+            out[name] = default
+    created = out.get("created", 0.0)
+    if isinstance(created, bool) or not isinstance(created, (int, float)):
+        bad.append("created")
+        out["created"] = 0.0
+    texts: tuple[tuple[str, str | None], ...] = (("message", ""), ("branch", None), ("fork_of", None))
+    for name, text in texts:
+        if out.get(name) is not None and not isinstance(out[name], str):
+            bad.append(name)
+            out[name] = text
+    parents = out.get("parents", [])
+    if not isinstance(parents, list) or not all(isinstance(p, str) for p in parents):
+        bad.append("parents")
+        out["parents"] = [p for p in parents if isinstance(p, str)] if isinstance(parents, list) else []
+    manifests = out.get("manifests", {})
+    if not isinstance(manifests, dict):
+        bad.append("manifests")
+        out["manifests"] = {}
+    return out, tuple(bad)
+
+
 def decode_record(vid: str, data: bytes, **nonid: Any) -> Version:
-    """Build a Version from record bytes (fields unknown to this reader are ignored)."""
-    rec = json.loads(data)
+    """Build a Version from record bytes (fields unknown to this reader are ignored; fields of the
+    wrong type read as empty and are named in `Version.invalid`, see `readable`)."""
+    rec, bad = readable(json.loads(data))
     return Version(
         id=vid, parents=tuple(rec.get("parents", [])), manifests=dict(rec.get("manifests", {})),
         step=rec.get("step"), epoch=rec.get("epoch"), created=float(rec.get("created", 0.0)),
-        hparams=rec.get("hparams", {}), metrics=rec.get("metrics", {}), message=rec.get("message", ""),
+        hparams=rec.get("hparams") or {}, metrics=rec.get("metrics") or {}, message=rec.get("message") or "",
         branch=rec.get("branch"), world_size=int(rec.get("world_size", 1)),
         bytes_total=int(rec.get("bytes_total", 0)), bytes_new=int(rec.get("bytes_new", 0)),
         chunks_new=int(rec.get("chunks_new", 0)), fork_of=rec.get("fork_of"), explore=rec.get("explore"),
-        replicated=rec.get("replicated"), **nonid,
+        replicated=rec.get("replicated"), invalid=bad, **nonid,
     )
 
 
-def plain_json(value: Any, what: str) -> Any:
-    """Check that hparams/metrics hold only JSON-able plain values; return a copy with tuples as lists.
+MAX_INT = 2**63 - 1
+"""Largest integer a record field may hold: the versions table stores numbers as int64/float64."""
 
-    Raises UnsupportedValueError naming the offending key.
+
+def check_text(value: Any, what: str) -> str:
+    """`value` if it is a str without NUL and without lone surrogates (neither survives a file name or
+    UTF-8 JSON); else InvalidArgumentError naming `what`."""
+    from ..errors import InvalidArgumentError
+
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{what} is a {type(value).__name__}; give a str")
+    if "\x00" in value:
+        raise InvalidArgumentError(f"{what} {value!r} contains a NUL character; remove it")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(f"{what} {value!r} contains a lone surrogate, which is not text; "
+                                   "decode your bytes with errors='replace'") from None
+    return value
+
+
+def plain_json(value: Any, what: str, *, numbers_only: bool = False) -> dict[str, Any]:
+    """Check a hparams/metrics/annotations/explore dict and return a plain copy (tuples as lists,
+    numpy/torch scalars as the Python numbers they hold).
+
+    Accepted: a dict (None means {}) whose keys are non-empty str without NUL or lone surrogates and
+    whose values are None, bool, int within +-(2**63-1), finite float, str, or lists and dicts of those.
+    With `numbers_only` (metrics) the leaves are int/float (not bool) or None, dicts may nest.
+    NaN and +-inf are refused: the canonical JSON record cannot hold them (docs/format.md).
+    Raises UnsupportedValueError (a value of a type that cannot be stored) or InvalidArgumentError
+    (not a dict, a bad key, NaN/inf, an int too large, a str leaf in metrics), naming the offending path.
     """
-    from ..errors import UnsupportedValueError
+    from ..errors import InvalidArgumentError, UnsupportedValueError
+
+    allowed = ("numbers (int, finite float) or None, in nested dicts" if numbers_only
+               else "None, bool, int, finite float, str, and lists and dicts of those")
+
+    def scalar(v: Any) -> Any:
+        # numpy/torch scalars (0-d) become the Python value they are
+        if not isinstance(v, (bool, int, float, str)) and hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
+            return v.item()
+        return v
 
     def walk(v: Any, path: str) -> Any:
-        if v is None or isinstance(v, (bool, str)):
+        v = scalar(v)
+        if isinstance(v, dict):
+            return mapping(v, path)
+        if v is None:
+            return None
+        if numbers_only and isinstance(v, (bool, str, list, tuple)):
+            raise InvalidArgumentError(f"{path}={v!r} is a {type(v).__name__}; {what} take {allowed}, "
+                                       f"e.g. {what}={{'loss': 0.5}} (put labels in hparams or annotations)")
+        if isinstance(v, bool):
             return v
+        if isinstance(v, str):
+            return check_text(v, path)
         if isinstance(v, int):
+            if abs(v) > MAX_INT:
+                raise InvalidArgumentError(f"{path} is an int with {len(str(abs(v)))} digits; "
+                                           f"{what} take ints within +-(2**63-1): store it as a str")
             return int(v)
         if isinstance(v, float):
             if v != v or v in (float("inf"), float("-inf")):
-                return repr(v)  # JSON has no NaN/Inf; keep them visible as strings
+                raise InvalidArgumentError(f"{path}={v!r}: NaN and infinity cannot be stored in a record; "
+                                           "store None (missing) or a finite number")
             return float(v)
-        if hasattr(v, "item") and getattr(v, "ndim", 1) == 0:
-            return walk(v.item(), path)  # numpy / torch scalars
-        if isinstance(v, dict):
-            return {str(k): walk(x, f"{path}.{k}") for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
+        if isinstance(v, (list, tuple)) and not numbers_only:
             return [walk(x, f"{path}[{i}]") for i, x in enumerate(v)]
-        raise UnsupportedValueError(
-            f"{path} is a {type(v).__name__}; {what} take numbers, strings, bools, None, lists and dicts"
-        )
+        raise UnsupportedValueError(f"{path} is a {type(v).__name__}; {what} take {allowed}")
 
-    return walk(value if value is not None else {}, what)
+    def mapping(d: dict[Any, Any], path: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, x in d.items():
+            if not isinstance(k, str) or not k:
+                raise InvalidArgumentError(f"{path} has the key {k!r}; keys must be non-empty str "
+                                           f"(write {str(k)!r} if you meant the text)")
+            check_text(k, f"key {k!r} of {path}")
+            out[k] = walk(x, f"{path}.{k}")
+        return out
+
+    if value is None:
+        return {}
+    value = scalar(value)
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(f"{what}={value!r} is a {type(value).__name__}, not a dict; "
+                                   f"give a dict such as {what}={{'loss': 0.5}}")
+    return mapping(value, what)

@@ -11,6 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from ..meta.versions import readable
 from ..repo.repository import Repository, as_repository
 
 _FIXED: list[tuple[str, pa.DataType]] = [
@@ -51,7 +52,7 @@ def build(store: Repository) -> pa.Table:
     annotations = store.catalog.all_annotations()
     pruned = store.catalog.pruned_ids()
     for n, (vid, data) in enumerate(store.catalog.records()):
-        rec = json.loads(data)
+        rec, _bad = readable(json.loads(data))  # a bad record's odd fields read as empty
         row = {"id": vid, "step": rec.get("step"), "epoch": rec.get("epoch"), "created": rec.get("created"),
                "branch": rec.get("branch"), "tags": tags.get(vid, []), "message": rec.get("message", ""),
                "world_size": rec.get("world_size", 1), "bytes_new": rec.get("bytes_new"),
@@ -60,8 +61,8 @@ def build(store: Repository) -> pa.Table:
         for name in fixed:
             fixed[name].append(row[name])
         flat: dict[str, Any] = {}
-        _flatten("hparams", rec.get("hparams", {}), flat)
-        _flatten("metrics", rec.get("metrics", {}), flat)
+        _flatten("hparams", rec.get("hparams") or {}, flat)
+        _flatten("metrics", rec.get("metrics") or {}, flat)
         _flatten("explore", rec.get("explore") or {}, flat)  # PBT: explore.old.lr, explore.new.lr
         _flatten("annotations", {k: v for k, v in annotations.get(vid, {}).items() if not k.startswith("_")}, flat)
         for name, v in flat.items():

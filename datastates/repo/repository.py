@@ -21,7 +21,7 @@ from ..errors import AmbiguousRefError, ConflictError, NotFoundError, PrunedErro
 from ..meta.catalog import Catalog
 from ..meta.graph import CatalogGraph
 from ..meta.refs import HEX_ID, RefStore, check_name
-from ..meta.versions import Version, decode_record, plain_json
+from ..meta.versions import Version, decode_record, plain_json, readable
 from ..objects.object_store import ObjectStore
 from ..objects.tier import Tier
 from ..save.job import SaveHandle
@@ -266,7 +266,7 @@ class Repository:
 
     def du(self) -> dict[str, int]:
         """Bytes as the versions see them (total) against bytes actually stored (unique)."""
-        total = sum(int(json.loads(rec).get("bytes_total", 0)) for _, rec in self.catalog.records())
+        total = sum(readable(json.loads(rec))[0]["bytes_total"] for _, rec in self.catalog.records())
         unique = sum(loc.raw_length for _, loc in self.catalog.iter_chunks())
         packs = list((self.path / "packs").glob("*.pack"))
         return {"versions": self.catalog.version_count(), "bytes_total": total, "bytes_unique": unique,

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..meta.refs import check_name
-from ..meta.versions import Version, plain_json, record_dict
+from ..meta.versions import MAX_INT, Version, check_text, plain_json, record_dict
 
 Resolve = Callable[[Any], str]
 """Turns a ref (id, prefix, branch, tag, Version, handle) into a version id; raises NotFoundError."""
@@ -29,8 +29,8 @@ def save_request(resolve: Resolve, *, branch: str | None, parents: Sequence[Any]
         "step": whole_number(step, "step"),
         "epoch": whole_number(epoch, "epoch"),
         "hparams": plain_json(hparams, "hparams"),
-        "metrics": plain_json(metrics, "metrics"),
-        "message": str(message),
+        "metrics": plain_json(metrics, "metrics", numbers_only=True),
+        "message": check_text(message, "message"),
         "fork_of": None if fork_of is None else resolve(fork_of),
         "explore": None if explore is None else plain_json(explore, "explore"),
     }
@@ -46,7 +46,8 @@ def fork_record(src: Version, resolve: Resolve, *, branch: str | None, parents: 
         parents=[resolve(p) for p in parents] if parents is not None else [src.id],
         manifests=src.manifests, step=src.step if step is None else whole_number(step, "step"), epoch=src.epoch,
         created=time.time(), hparams=plain_json(src.hparams if hparams is None else hparams, "hparams"),
-        metrics=plain_json(metrics, "metrics"), message=message, branch=branch, world_size=src.world_size,
+        metrics=plain_json(metrics, "metrics", numbers_only=True), message=check_text(message, "message"),
+        branch=branch, world_size=src.world_size,
         bytes_total=src.bytes_total, bytes_new=0, chunks_new=0,
         fork_of=None if fork_of is None else resolve(fork_of),
         explore=None if explore is None else plain_json(explore, "explore"),
@@ -54,14 +55,17 @@ def fork_record(src: Version, resolve: Resolve, *, branch: str | None, parents: 
 
 
 def whole_number(value: Any, what: str) -> int | None:
-    """`value` as an int (None stays None); InvalidArgumentError for anything that is not a whole number."""
+    """`value` as an int in 0..2**63-1 (None stays None; numpy ints accepted); InvalidArgumentError for
+    anything else: a bool, a fraction, a negative number, a str."""
     if value is None:
         return None
     try:
         n = int(value)
-        ok = n == value and not isinstance(value, bool)
+        ok = n == value and not isinstance(value, (bool, str, bytes))
     except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:
         raise InvalidArgumentError(f"{what}={value!r} is not a whole number; give an int such as {what}=100")
+    if not 0 <= n <= MAX_INT:
+        raise InvalidArgumentError(f"{what}={n} is out of range; {what} counts from 0 (at most 2**63-1)")
     return n
