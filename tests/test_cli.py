@@ -182,3 +182,21 @@ def test_progress_bars_go_to_a_terminal_only(made: tuple[Path, list[ds.Version]]
     assert b"fsck: verifying hot packs" in seen
     p = subprocess.run([SCRIPT, "--store", str(path), "fsck"], capture_output=True, timeout=120)
     assert p.returncode == 0 and p.stderr == b""  # not a terminal: no bar
+
+
+def test_store_path_that_is_a_file_one_line_error_and_debug_traceback(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    p = subprocess.run([sys.executable, "-m", "datastates", "--store", str(f), "init"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "Traceback" not in p.stderr
+    assert p.stderr.count("\n") == 1 and "StoreFormatError" in p.stderr and str(f) in p.stderr
+    p = subprocess.run([sys.executable, "-m", "datastates", "--debug", "--store", str(f / "s"), "log"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "Traceback" in p.stderr and "StoreFormatError" in p.stderr
+
+
+def test_an_oserror_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "s" / "FORMAT").mkdir(parents=True)  # reading FORMAT raises IsADirectoryError, an OSError
+    rc, _, err = run(capsys, "--store", str(tmp_path / "s"), "log")
+    assert rc == 1 and "IsADirectoryError" in err and err.count("\n") == 1

@@ -109,3 +109,14 @@ def test_record_from_a_buggy_writer_reads_as_invalid_not_a_crash(store: ds.Store
                             "metrics.loss < 1", "--json"], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0, shown.stderr
     assert [r["id"] for r in json.loads(shown.stdout)] == [good.id]
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_open_on_a_regular_file_is_a_store_format_error(tmp_path: Path, under: bool) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("hello")
+    path = f / "store" if under else f
+    with pytest.raises(ds.errors.StoreFormatError) as info:
+        ds.Store.open(path)
+    assert str(path) in str(info.value) and "a file, not a directory" in str(info.value)
+    assert f.read_text() == "hello"

@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="datastates", description="A versioned model-state store for PyTorch.")
     p.add_argument("--store", default=os.environ.get("DATASTATES_STORE"),
                    help="store directory (default: $DATASTATES_STORE)")
+    p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
     sub = p.add_subparsers(dest="command", required=True)
     add = sub.add_parser
 
@@ -33,6 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
         s = add(name, **kw)
         if name != "bench":  # bench's --store is its scratch directory, never a user's store
             s.add_argument("--store", default=argparse.SUPPRESS, help="store directory (default: $DATASTATES_STORE)")
+        s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the full traceback of an error")
         return s
 
     sub.add_parser = add_parser  # type: ignore[method-assign]
@@ -42,25 +45,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status (1 and a one-line message for a DataStates error)."""
+    """Entry point; returns the exit status: 1 and a one-line message (no traceback unless --debug)
+    for a DataStates error or an OSError (a disk full, a permission denied), 2 for a usage error."""
     if hasattr(signal, "SIGPIPE"):
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `datastates log | head` ends quietly
     args = build_parser().parse_args(argv)
+    try:
+        return _run(args)
+    except (DataStatesError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"datastates: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     standalone = getattr(args, "standalone", None)
     if standalone is not None:
         return int(standalone(args))
     if not args.store:
         print("datastates: no store given; pass --store PATH or set DATASTATES_STORE", file=sys.stderr)
         return 2
+    store = Store.open(args.store, create=getattr(args, "creates", False))
     try:
-        store = Store.open(args.store, create=getattr(args, "creates", False))
-        try:
-            return int(args.handler(store, args))
-        finally:
-            store.close()
-    except DataStatesError as exc:
-        print(f"datastates: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
+        return int(args.handler(store, args))
+    finally:
+        store.close()
 
 
 if __name__ == "__main__":

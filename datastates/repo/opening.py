@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..base import config as tier_config
 from ..base.config import Flush, TierConfig
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError, StoreFormatError
 from ..meta.catalog import Catalog
 from ..objects.chunks import DEFAULT_CHUNK_SIZE
 from ..objects.object_store import ObjectStore
@@ -17,6 +17,19 @@ from ..objects.tier import Tier
 from .repository import Repository
 
 log = logging.getLogger("datastates")
+
+
+def _check_directory(path: Path, what: str) -> None:
+    """StoreFormatError if `path`, or a directory above it, is something other than a directory
+    (a regular file): opening would otherwise fail deep inside with FileExistsError/NotADirectoryError."""
+    for p in (path, *path.parents):
+        try:
+            if p.exists() and not p.is_dir():
+                where = "is" if p == path else f"is under {str(p)!r}, which is"
+                raise StoreFormatError(f"{what} path {str(path)!r} {where} a file, not a directory; "
+                                       "give the path of a store directory (or of a new one to create)")
+        except PermissionError:
+            return  # a directory we may not stat: let the real open report it
 
 
 def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: int | None, verify: bool,
@@ -31,6 +44,9 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     if chunk_size is not None:
         check_chunk_size(chunk_size)
     root = Path(path).expanduser()
+    _check_directory(root, "store")
+    if hot is not None:
+        _check_directory(Path(hot).expanduser(), "hot tier")
     try:
         saved = tier_config.load(root)
     except OSError:
