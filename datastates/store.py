@@ -311,6 +311,8 @@ class Store:
         self._raise_pending()
         request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=epoch, hparams=hparams,
                                metrics=metrics, message=message, fork_of=fork_of, explore=explore)
+        if branch is not None:
+            self.repo.check_unlike_other_kind("branch", branch)  # saving creates the branch if missing
         use = self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged
         return self._saver.submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
                                   reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,
@@ -434,9 +436,13 @@ class Store:
         """
         return self.repo.create_branch(name, at, force=force)
 
-    def delete_branch(self, name: str) -> str:
-        """Delete a branch (its versions stay reachable by id and by the reflog), on cold too."""
-        return self.repo.delete_ref("branch", name)
+    def delete_branch(self, name: str, *, force: bool = False) -> str:
+        """Delete a branch (its versions stay reachable by id and by the reflog), on cold too.
+
+        Like `git branch -d`: refused with ConflictError (saying how many versions would be reachable
+        by name no more) when no other branch or tag reaches its head, unless `force`. Raises NotFoundError.
+        """
+        return self.repo.delete_ref("branch", name, force=force)
 
     def tag(self, name: str, ref: Any = "main", message: str = "") -> str:
         """Create an immutable tag. Raises ConflictError if it exists (delete it first)."""
@@ -518,6 +524,8 @@ class Store:
             raise PrunedError(f"version {src.short} was pruned; it cannot be forked")
         rec = fork_record(src, self.resolve, branch=branch, parents=parents, hparams=hparams, metrics=metrics,
                           step=step, message=message, fork_of=fork_of, explore=explore)
+        if branch is not None:
+            self.repo.check_unlike_other_kind("branch", branch)
         vid = make_fork_visible(rec, tier=self.tier, refs=self.refs, catalog=self.catalog, branch=branch,
                                 message=f"fork of {src.short}")
         if self.flusher is not None and self.flusher.wants(branch):

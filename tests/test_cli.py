@@ -200,3 +200,18 @@ def test_an_oserror_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[st
     (tmp_path / "s" / "FORMAT").mkdir(parents=True)  # reading FORMAT raises IsADirectoryError, an OSError
     rc, _, err = run(capsys, "--store", str(tmp_path / "s"), "log")
     assert rc == 1 and "IsADirectoryError" in err and err.count("\n") == 1
+
+
+def test_branch_d_refuses_unmerged_and_capital_d_forces(made: tuple[Path, list[ds.Version]],
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path, vs = made
+    with ds.Store.open(path) as s:
+        s.save({"x": torch.ones(2)}, branch="exp")
+    rc, _, err = run(capsys, "--store", str(path), "branch", "-d", "exp")
+    assert rc == 1 and "1 version(s)" in err and "datastates branch -D exp" in err
+    rc, _, err = run(capsys, "--store", str(path), "branch", "-D", "exp")
+    assert rc == 0
+    rc, _, err = run(capsys, "--store", str(path), "tag", "main", "main~1")
+    assert rc == 1 and "ConflictError" in err and "branch:main" in err
+    with ds.Store.open(path) as s:
+        assert set(s.branches()) == {"main"} and s.tags() == {}

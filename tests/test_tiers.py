@@ -327,7 +327,7 @@ def test_deleted_refs_stay_deleted_and_forks_flush(tmp_path: Path) -> None:
     assert s.flush(timeout=30)
     assert s.where(f) == ["hot", "cold"]
     s.delete_tag("t")
-    s.delete_branch("side")
+    s.delete_branch("side", force=True)
     s.close()
     s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
     assert "t" not in s.tags() and "side" not in s.branches()

@@ -120,3 +120,37 @@ def test_open_on_a_regular_file_is_a_store_format_error(tmp_path: Path, under: b
         ds.Store.open(path)
     assert str(path) in str(info.value) and "a file, not a directory" in str(info.value)
     assert f.read_text() == "hello"
+
+
+def test_branch_and_tag_names_never_collide_and_qualified_names_resolve(store: ds.Store) -> None:
+    a = store.save(W, step=1)
+    b = store.save(W, step=2)
+    store.tag("best", a)
+    with pytest.raises(ds.errors.ConflictError, match="tag:best"):
+        store.branch("best", b)
+    with pytest.raises(ds.errors.ConflictError, match="tag:best"):
+        store.save(W, branch="best")
+    with pytest.raises(ds.errors.ConflictError, match="branch:main"):
+        store.tag("main", a)
+    assert set(store.branches()) == {"main"} and store.tags() == {"best": a.id}
+    assert store.resolve("tag:best") == a.id and store.resolve("branch:main") == b.id
+    assert store.resolve("branch:main~1") == a.id
+    with pytest.raises(ds.NotFoundError):
+        store.resolve("branch:best")
+
+
+def test_delete_branch_refuses_to_orphan_versions_unless_forced(store: ds.Store) -> None:
+    a = store.save(W, step=1)
+    store.branch("side", a)
+    store.save(W, step=2, branch="side")
+    store.save(W, step=3, branch="side")
+    with pytest.raises(ds.errors.ConflictError, match="2 version"):
+        store.delete_branch("side")
+    assert "side" in store.branches()
+    store.branch("merged", a)
+    assert store.delete_branch("merged") == a.id  # main still reaches a
+    store.tag("keep", "side~1")
+    with pytest.raises(ds.errors.ConflictError, match="1 version"):
+        store.delete_branch("side")
+    store.delete_branch("side", force=True)
+    assert set(store.branches()) == {"main"}

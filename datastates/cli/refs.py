@@ -17,7 +17,10 @@ def register(sub: Any) -> None:
         if kind == "tag":
             s.add_argument("-m", "--message")
         else:
-            s.add_argument("-f", "--force", action="store_true", help="move an existing branch")
+            s.add_argument("-f", "--force", action="store_true",
+                           help="move an existing branch; with -d, delete a branch no other ref reaches")
+            s.add_argument("-D", dest="force_delete", metavar="NAME", help="delete branch NAME even if no other "
+                           "ref reaches its versions (same as -d NAME --force)")
         s.set_defaults(handler=_tag if kind == "tag" else _branch)
 
 
@@ -34,8 +37,8 @@ def _tag(store: Store, args: argparse.Namespace) -> int:
 
 
 def _branch(store: Store, args: argparse.Namespace) -> int:
-    if args.delete:
-        store.delete_branch(args.delete)
+    if args.delete or args.force_delete:
+        store.delete_branch(args.delete or args.force_delete, force=args.force or bool(args.force_delete))
     elif args.name:
         vid = store.branch(args.name, at=args.ref, force=args.force)
         print(f"branch {args.name} -> {vid[:12]}")

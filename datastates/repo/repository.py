@@ -114,6 +114,13 @@ class Repository:
                         f"{ref} goes past the root: {base} has only {i + 1} version(s) in its first-parent chain")
                 vid = parents[0]
             return vid
+        kind_name = ref.split(":", 1)
+        if len(kind_name) == 2 and kind_name[0] in ("branch", "tag"):  # qualified: `branch:best`, `tag:best`
+            found_ref = self.refs.get(kind_name[0], kind_name[1])  # type: ignore[arg-type]
+            if found_ref is None:
+                raise NotFoundError(f"no {kind_name[0]} named {kind_name[1]!r}; `datastates {kind_name[0]}` "
+                                    f"lists the {kind_name[0]}{'es' if kind_name[0] == 'branch' else 's'}")
+            return found_ref
         if HEX_ID.match(ref) and self.catalog.record(ref) is not None:
             return ref
         for kind in ("branch", "tag"):
@@ -148,6 +155,7 @@ class Repository:
         """
         check_name(name, "branch")
         vid = self.resolve(at)
+        self.check_unlike_other_kind("branch", name)
         if force:
             with self.refs.locked():
                 old = self.refs.get("branch", name)
@@ -160,12 +168,55 @@ class Repository:
         """Create an immutable tag. Raises InvalidNameError, NotFoundError, ConflictError (exists)."""
         check_name(name, "tag")
         vid = self.resolve(ref)
+        self.check_unlike_other_kind("tag", name)
         self.refs.add_if_new("tag", name, vid, message or f"tag {label(ref)}")
         return vid
 
-    def delete_ref(self, kind: str, name: str) -> str:
+    def check_unlike_other_kind(self, kind: str, name: str) -> None:
+        """ConflictError if a new `kind` ref `name` would share its name with a ref of the other kind
+        (a bare name would then silently mean one of them). Existing refs of the same kind pass."""
+        other = "tag" if kind == "branch" else "branch"
+        if self.refs.get(kind, name) is None and self.refs.get(other, name) is not None:  # type: ignore[arg-type]
+            raise ConflictError(
+                f"a {other} named {name!r} exists; pick another name for the {kind} "
+                f"(refer to the existing one unambiguously as {other}:{name})")
+
+    def unreachable_if_deleted(self, kind: str, name: str) -> int:
+        """How many versions no ref would reach (by name, as ancestor-or-self of a branch or tag head)
+        once ref `name` is gone. Raises NotFoundError."""
+        head = self.refs.get(kind, name)  # type: ignore[arg-type]
+        if head is None:
+            raise NotFoundError(f"no {kind} named {name!r}; `datastates {kind}` lists them")
+        others = [v for k in ("branch", "tag") for n, v in self.refs.names(k).items()  # type: ignore[arg-type]
+                  if not (k == kind and n == name)]
+        graph = self.graph
+        seen: set[str] = set()
+        stack = list(others)
+        while stack:  # everything the other refs reach
+            v = stack.pop()
+            if v not in seen:
+                seen.add(v)
+                stack.extend(graph.parents(v))
+        lost: set[str] = set()
+        stack = [head]
+        while stack:
+            v = stack.pop()
+            if v not in seen and v not in lost:
+                lost.add(v)
+                stack.extend(graph.parents(v))
+        return len(lost)
+
+    def delete_ref(self, kind: str, name: str, *, force: bool = True) -> str:
         """Delete a branch or tag here and on cold (else the next open's refresh would bring it back).
-        Returns the id it named. Raises NotFoundError."""
+        Without `force`, a branch whose head no other ref reaches is kept (like `git branch -d`).
+        Returns the id it named. Raises NotFoundError, ConflictError (unmerged, without force)."""
+        if not force:
+            lost = self.unreachable_if_deleted(kind, name)
+            if lost:
+                raise ConflictError(
+                    f"{kind} {name!r} is the only ref reaching {lost} version(s); they would stay reachable "
+                    f"only by id and the reflog. Delete anyway with `datastates {kind} -D {name}` "
+                    f"(Store.delete_{kind}({name!r}, force=True)), or tag its head first")
         vid = self.refs.remove_if_equals(kind, name, message="delete")  # type: ignore[arg-type]
         if self.cold_refs is not None:
             try:
