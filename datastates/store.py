@@ -490,12 +490,14 @@ class Store:
             self._table = (key, table.build(self.repo))
         return self._table[1]
 
-    def find(self, query: str = "", *, as_table: bool = False) -> Any:
+    def find(self, query: str = "", *, as_table: bool = False, allow_missing: bool = False) -> Any:
         """Versions matching a query such as "hparams.lr > 1e-3 and metrics.loss < 0.5 order by step".
 
-        Returns Versions (or the matching rows as a pyarrow Table). Raises QueryError with the offset.
+        Returns Versions (or the matching rows as a pyarrow Table). Raises QueryError with the offset,
+        also for a field no version has (a typo: the message lists close matches) unless
+        `allow_missing`, which reads such a field as null.
         """
-        rows = find(self.repo, self.versions_table(), query)
+        rows = find(self.repo, self.versions_table(), query, allow_missing=allow_missing)
         if as_table:
             return rows
         return [self.version(v) for v in rows.column("id").to_pylist()]

@@ -215,3 +215,24 @@ def test_branch_d_refuses_unmerged_and_capital_d_forces(made: tuple[Path, list[d
     assert rc == 1 and "ConflictError" in err and "branch:main" in err
     with ds.Store.open(path) as s:
         assert set(s.branches()) == {"main"} and s.tags() == {}
+
+
+def test_typos_are_errors_with_close_matches(made: tuple[Path, list[ds.Version]],
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path, vs = made
+    rc, _, err = run(capsys, "--store", str(path), "find", "metrics.los < 0.1")
+    assert rc == 1 and "QueryError" in err and "metrics.loss" in err
+    rc, out, _ = run(capsys, "--store", str(path), "find", "metrics.los < 0.1", "--allow-missing", "--json")
+    assert rc == 0 and json.loads(out) == []
+    rc, _, err = run(capsys, "--store", str(path), "find", "metrics.loss < 'abc'")
+    assert rc == 1 and "not a number" in err
+    rc, _, err = run(capsys, "--store", str(path), "prune", "--keep-best", "1:metrics.los:min")
+    assert rc == 1 and "NotFoundError" in err and "metrics.loss" in err
+    rc, _, err = run(capsys, "--store", str(path), "diff", "main~2", "main", "--keys", "model.weigth")
+    assert rc == 1 and "NotFoundError" in err and "model.weight" in err
+    with ds.Store.open(path) as s:
+        assert not any(v.pruned for v in s.log())  # the refused prune changed nothing
+        assert [v.id for v in s.find("metrics.loss < 0.4")] == [vs[2].id]
+        with pytest.raises(ds.errors.QueryError, match="metrics.loss"):
+            s.find("metrics.los < 0.1")
+        assert s.find("metrics.los < 0.1", allow_missing=True) == []

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import states
 
-from datastates import PrunedError, Store, Version
+from datastates import NotFoundError, PrunedError, Store, Version
 from datastates.base.files import write_new
 from datastates.cli.maintenance import add_parsers, retention_from_args, run
 from datastates.retention import (
@@ -144,7 +144,10 @@ def test_keep_best_min_and_max_skip_versions_without_the_metric(store: Store, ma
     with_metric = sum(1 for v in versions if "val_loss" in v.metrics)
     assert with_metric == 16  # four exp versions have no metric
     assert len(KeepBest(50).keep(versions, store)) == 16
-    assert KeepBest(3, "metrics.nope").keep(versions, store) == set()
+    with pytest.raises(NotFoundError, match="metrics.nope"):
+        KeepBest(3, "metrics.nope").keep(versions, store)  # no version has it: a typo, not "keep none"
+    with pytest.raises(NotFoundError, match="did you mean metrics.val_loss"):
+        KeepBest(3, "metrics.val_los").keep(versions, store)
 
 
 def test_keep_best_reads_annotations_added_after_the_save(store: Store, made: Made) -> None:

@@ -36,6 +36,8 @@ def register(sub: Any) -> None:
     s = sub.add_parser("find", help="versions matching a query, e.g. \"hparams.lr > 1e-3 and metrics.loss < 0.5\"")
     s.add_argument("query", nargs="?", default="", help="a query; empty selects every version")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--allow-missing", action="store_true",
+                   help="read a field no version has as null instead of failing (typos then match nothing)")
     s.set_defaults(handler=_find)
     s = sub.add_parser("history", help="one tensor's stats across the first-parent chain")
     s.add_argument("key", help="the tensor's key path, e.g. model.fc.weight")
@@ -111,7 +113,7 @@ def _diff(store: Store, args: argparse.Namespace) -> int:
 
 
 def _find(store: Store, args: argparse.Namespace) -> int:
-    table = store.find(args.query, as_table=True)
+    table = store.find(args.query, as_table=True, allow_missing=args.allow_missing)
     if args.json:
         print_json(table.to_pylist())
         return 0

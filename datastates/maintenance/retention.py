@@ -19,6 +19,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import threading
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..base.files import canonical_json, write_new
-from ..errors import DataStatesError, InvalidArgumentError
+from ..errors import DataStatesError, InvalidArgumentError, NotFoundError
 from ..meta.versions import Version, decode_record
 from ..repo.repository import Repository, as_repository
 
@@ -154,11 +155,19 @@ class KeepBest(Policy):
             raise InvalidArgumentError(f"KeepBest(metric={self.metric!r}): give a path such as 'metrics.val_loss'")
 
     def keep(self, versions: list[Version], store: Repository) -> set[str]:
+        """Raises NotFoundError (with close matches) when no version has the metric at all: a typo
+        would otherwise keep nothing by this rule and prune in silence."""
         scored: list[tuple[float, Version]] = []
         for v in versions:
             value = metric_value(v, self.metric)
             if value is not None:
                 scored.append((value if self.mode == "min" else -value, v))
+        if versions and not scored and not any(_has_path(v, self.metric) for v in versions):
+            known = sorted({p for v in versions for p in _paths(v)})
+            close = difflib.get_close_matches(self.metric, known, n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else \
+                f"; the versions have {', '.join(known[:10]) or 'no metrics'}"
+            raise NotFoundError(f"KeepBest: no version has {self.metric!r}{hint}")
         # Best first; among equals the newest first.
         scored.sort(key=lambda sv: (sv[0], -sv[1].created, -(sv[1].step if sv[1].step is not None else -1), sv[1].id))
         return {v.id for _, v in scored[: self.n]}
@@ -243,6 +252,31 @@ class Retention(Policy):
 
     def __hash__(self) -> int:
         return hash(self.policies)
+
+
+def _paths(v: Version) -> list[str]:
+    """Every dotted leaf path of a version's metrics, hparams and annotations (internal keys left out)."""
+    out: list[str] = []
+
+    def walk(prefix: str, d: Any) -> None:
+        if isinstance(d, dict):
+            for k, x in d.items():
+                if not str(k).startswith("_"):
+                    walk(f"{prefix}.{k}", x)
+        else:
+            out.append(prefix)
+
+    walk("metrics", v.metrics)
+    walk("hparams", v.hparams)
+    walk("annotations", v.annotations)
+    out.extend(p.replace("annotations.", "metrics.", 1) for p in list(out) if p.startswith("annotations."))
+    return out
+
+
+def _has_path(v: Version, path: str) -> bool:
+    full = path if "." in path and path.split(".", 1)[0] in ("metrics", "hparams", "annotations") \
+        else f"metrics.{path}"
+    return full in _paths(v)
 
 
 def metric_value(v: Version, path: str) -> float | None:

@@ -68,13 +68,21 @@ def _tensor_row(m: Manifest, r: dict[str, Any]) -> dict[str, Any] | None:
 
 def diff(store: Repository, a: Any, b: Any, keys: list[str] | None = None) -> pa.Table:
     """One row per key of either version: status, L2 of the change, relative change, cosine,
-    max abs difference, chunks and bytes shared. Raises NotFoundError, PrunedError."""
+    max abs difference, chunks and bytes shared. Raises NotFoundError (a ref, or a key pattern that
+    matches no key of either version, with close matches), PrunedError."""
     store = as_repository(store)
     va, vb = store.version(a), store.version(b)
     ma, mb = store.manifest_of(va), store.manifest_of(vb)
     if isinstance(keys, str):  # one glob, not its characters
         keys = [keys]
     ra, rb = _rows(ma, keys), _rows(mb, keys)
+    for k in keys or []:  # a key that selects nothing in either version is a typo, not "no change"
+        if not _rows(ma, [k]) and not _rows(mb, [k]):
+            names = sorted({r["key"] for r in ma.rows if r["kind"] != "storage"}
+                           | {r["key"] for r in mb.rows if r["kind"] != "storage"})
+            close = difflib.get_close_matches(k, names, n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(close)}?" if close else f"`datastates ls {va.short}` lists the keys"
+            raise NotFoundError(f"key {k!r} is in neither {va.short} nor {vb.short}; {hint}")
     out: list[dict[str, Any]] = []
     for key in sorted(set(ra) | set(rb)):
         x, y = ra.get(key), rb.get(key)

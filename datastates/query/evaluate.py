@@ -222,7 +222,12 @@ class _Evaluator:
             return self.eval_lineage(node)
         if node.field == "tag":
             return self.eval_tag(node)
-        return _leaf(node, self.column(node, node.field))
+        values = self.column(node, node.field)
+        if (isinstance(node, Compare) and isinstance(node.value, str) and _kind(values.type) == "number"
+                and _parse_number(node.value) is None):
+            raise QueryError(f"field '{node.field}' holds numbers; {node.value!r} is not a number "
+                             "(drop the quotes around a number, or compare a text field)", self.text, node.offset)
+        return _leaf(node, values)
 
     def fold(self, combine: Callable[..., Any], operands: tuple[Node, ...]) -> pa.Array:
         result = self.eval(operands[0])

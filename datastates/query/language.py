@@ -21,8 +21,13 @@ Grammar (keywords, bare field names and namespace prefixes are case-insensitive)
 Fields are the bare names in `BARE_FIELDS` or `hparams.<name>`, `metrics.<name>`,
 `annotations.<name>`, `explore.old.<name>` / `explore.new.<name>` (a PBT explore's
 hyperparameter change); backquote a name with spaces: `` `hparams.weird name` ``.
-Unknown namespaced names are not errors: they read as null, because different
-runs log different hyperparameters.
+A name that no row has (no column in the table) is a QueryError listing the close
+matches (`metrics.los` -> `metrics.loss`), since a typo would otherwise match nothing
+in silence; with `allow_missing=True` (`datastates find --allow-missing`) unknown
+names read as null instead. A table with no rows accepts every name. A name that some
+rows lack reads as null in those rows (different runs log different hyperparameters).
+Comparing a numeric field with a string that is not a number (`metrics.loss < 'abc'`)
+is a QueryError.
 
 Semantics are SQL's three-valued logic; a row is selected only where the filter
 is true. `x in (a, b)` means exactly `x = a or x = b`. The literal `null` is only
@@ -32,6 +37,7 @@ always a mistake for `x is null`.
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
@@ -92,14 +98,18 @@ class Query:
         refs = [(n.kind, n.ref) for n in _walk(self.where) if isinstance(n, Lineage)]
         return list(dict.fromkeys(refs))
 
-    def apply(self, table: pa.Table, lineage: LineageFn | None = None) -> pa.Table:
+    def apply(self, table: pa.Table, lineage: LineageFn | None = None, *, allow_missing: bool = False) -> pa.Table:
         """The rows of `table` where the filter is true, sorted and limited; all columns.
 
         `lineage(kind, ref)` must return the ids selected by a lineage predicate; it is
-        called once per distinct predicate. Missing columns read as all-null.
+        called once per distinct predicate. A field the (non-empty) table lacks raises
+        QueryError with close matches, unless `allow_missing` (then it reads as all-null).
         Raises QueryError when the query has lineage predicates and `lineage` is None,
-        or when a column has a type queries cannot compare (e.g. a list column).
+        when a column has a type queries cannot compare (e.g. a list column), or when a
+        numeric field is compared with a string that is not a number.
         """
+        if not allow_missing and table.num_rows:
+            self._check_fields(table)
         if lineage is None:
             used = next((n for n in _walk(self.where) if isinstance(n, Lineage)), None)
             if used is not None:
@@ -116,6 +126,25 @@ class Query:
         if self.limit is not None:
             result = result.slice(0, self.limit)
         return result
+
+    def _check_fields(self, table: pa.Table) -> None:
+        """QueryError for the first field (filter, then sort keys) that `table` has no column for."""
+        names = list(table.column_names)
+        have = set(names) | {"tag"}
+        for n in _walk(self.where):
+            if isinstance(n, (Compare, InList, Like, IsNull)) and n.field not in have:
+                raise QueryError(f"no version has a field {n.field!r}{_close(n.field, names)} "
+                                 "(pass allow_missing=True, or --allow-missing, to read it as null)",
+                                 self.text, n.offset)
+        for name, _ in self.order_by:
+            if name not in have:
+                raise QueryError(f"no version has a field {name!r} to order by{_close(name, names)}",
+                                 self.text, max(self.text.find(name), 0))
+
+
+def _close(name: str, names: list[str]) -> str:
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    return f"; did you mean {', '.join(close)}?" if close else ""
 
 
 def parse(text: str) -> Query:

@@ -81,9 +81,10 @@ def build(store: Repository) -> pa.Table:
     return pa.Table.from_arrays(arrays, names=names)
 
 
-def find(repo: Repository, versions: pa.Table, query: str) -> pa.Table:
+def find(repo: Repository, versions: pa.Table, query: str, *, allow_missing: bool = False) -> pa.Table:
     """The rows of `versions` (the versions table) matching `query`, in its order. The lineage
     predicates (`ancestor_of(ref)`, `descendant_of(ref)`) resolve refs through `repo`.
+    A field no version has is a QueryError with close matches unless `allow_missing`.
     Raises QueryError with the offset, NotFoundError for an unknown ref."""
     from .language import parse
     from .lineage import ancestors, descendants
@@ -95,4 +96,4 @@ def find(repo: Repository, versions: pa.Table, query: str) -> pa.Table:
         walk = ancestors if kind == "ancestor_of" else descendants
         return set(walk(repo.graph, start))
 
-    return q.apply(versions, lineage)
+    return q.apply(versions, lineage, allow_missing=allow_missing)
