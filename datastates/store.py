@@ -579,9 +579,12 @@ class Store:
                                executor=self._readers)
 
     # metadata and maintenance ---------------------------------------------------------
-    def annotate(self, ref: Any, **values: Any) -> Version:
-        """Add or change mutable annotations (never part of the id): annotate(v, metrics={...}) or key=value."""
-        return self.repo.annotate(ref, **values)
+    def annotate(self, ref: Any, *, metrics: dict[str, Any] | None = None,
+                 annotations: dict[str, Any] | None = None, **values: Any) -> Version:
+        """Add or change mutable data of a version (never part of the id). `metrics={...}`: metrics known
+        after the save, seen as the version's metrics (Version.metrics, find, versions table) over the
+        record's; `annotations={...}` or key=value: free-form annotations. See Repository.annotate."""
+        return self.repo.annotate(ref, metrics=metrics, annotations=annotations, **values)
 
     def du(self) -> dict[str, int]:
         """Bytes as the versions see them (total) against bytes actually stored (unique)."""

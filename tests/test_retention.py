@@ -155,7 +155,7 @@ def test_keep_best_reads_annotations_added_after_the_save(store: Store, made: Ma
     store.annotate(target, metrics={"val_loss": 0.001, "acc": 0.99})
     versions = all_versions(store)
     assert KeepBest(1).keep(versions, store) == {target}
-    assert KeepBest(1, "annotations.acc", "max").keep(versions, store) == {target}
+    assert KeepBest(1, "metrics.acc", "max").keep(versions, store) == {target}
     assert KeepBest(1, "val_loss").keep(versions, store) == {target}  # a bare name means metrics.<name>
     assert metric_value(store.version(target), "hparams.lr") is None
 

@@ -154,3 +154,25 @@ def test_delete_branch_refuses_to_orphan_versions_unless_forced(store: ds.Store)
         store.delete_branch("side")
     store.delete_branch("side", force=True)
     assert set(store.branches()) == {"main"}
+
+
+def test_annotated_metrics_are_metrics_and_internal_keys_are_hidden(store: ds.Store) -> None:
+    v = store.save(W, step=1, metrics={"loss": 0.5, "val": {"loss": 0.6}})
+    got = store.annotate(v, metrics={"val_acc": 0.93, "val": {"acc": 0.9}}, note="late eval")
+    assert got.id == v.id
+    assert got.metrics == {"loss": 0.5, "val_acc": 0.93, "val": {"loss": 0.6, "acc": 0.9}}
+    assert got.annotations == {"note": "late eval"}
+    assert got.record()["metrics"] == {"loss": 0.5, "val": {"loss": 0.6}}  # the record is unchanged
+    assert [x.id for x in store.find("metrics.val_acc > 0.9 and metrics.val.acc = 0.9")] == [v.id]
+    table = store.versions_table()
+    assert table.column("metrics.val_acc").to_pylist() == [0.93]
+    assert "annotations._updated" not in table.column_names
+    with pytest.raises(InvalidArgumentError):
+        store.annotate(v, metrics={"acc": "high"})
+    with pytest.raises(InvalidArgumentError, match="reserved"):
+        store.annotate(v, _secret=1)
+    store.close()
+    out = subprocess.run([sys.executable, "-m", "datastates", "--store", str(store.path), "show", v.id],
+                         capture_output=True, text=True, timeout=120)
+    shown = json.loads(out.stdout)
+    assert shown["annotations"] == {"note": "late eval"} and shown["metrics"]["val_acc"] == 0.93

@@ -65,7 +65,7 @@ def _log(store: Store, args: argparse.Namespace) -> int:
 
 def _show(store: Store, args: argparse.Namespace) -> int:
     v = store.version(args.ref)
-    print_json(v.record() | {"id": v.id, "annotations": v.annotations, "timings": v.timings})
+    print_json(v.record() | {"id": v.id, "metrics": v.metrics, "annotations": v.annotations, "timings": v.timings})
     return 0
 
 

@@ -7,7 +7,7 @@ two stores holding the same version agree on its id.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import blake3
@@ -50,6 +50,8 @@ class Version:
     pruned: bool = field(default=False, compare=False)
     annotations: dict[str, Any] = field(default_factory=dict, compare=False)
     timings: dict[str, float] = field(default_factory=dict, compare=False)
+    recorded_metrics: dict[str, Any] | None = field(default=None, compare=False, repr=False)
+    """The record's own metrics when `metrics` has later (annotated) metrics laid over them."""
     invalid: tuple[str, ...] = field(default=(), compare=False)
     """Record fields a buggy or older writer stored with the wrong type; they read as empty."""
 
@@ -57,7 +59,8 @@ class Version:
         """The hashed fields, as stored in the record file."""
         return record_dict(
             parents=list(self.parents), manifests=self.manifests, step=self.step, epoch=self.epoch,
-            created=self.created, hparams=self.hparams, metrics=self.metrics, message=self.message,
+            created=self.created, hparams=self.hparams,
+            metrics=self.metrics if self.recorded_metrics is None else self.recorded_metrics, message=self.message,
             branch=self.branch, world_size=self.world_size, bytes_total=self.bytes_total,
             bytes_new=self.bytes_new, chunks_new=self.chunks_new, fork_of=self.fork_of, explore=self.explore,
             replicated=self.replicated,
@@ -140,6 +143,30 @@ def decode_record(vid: str, data: bytes, **nonid: Any) -> Version:
         chunks_new=int(rec.get("chunks_new", 0)), fork_of=rec.get("fork_of"), explore=rec.get("explore"),
         replicated=rec.get("replicated"), invalid=bad, **nonid,
     )
+
+
+LATER_METRICS = "_metrics"
+"""Annotation key under which `annotate(v, metrics={...})` keeps metrics computed after the save."""
+
+
+def merge_metrics(base: dict[str, Any], later: Any) -> dict[str, Any]:
+    """`base` with `later` laid over it, nested dicts merged key by key (a copy; neither is changed)."""
+    out = dict(base)
+    if isinstance(later, dict):
+        for k, v in later.items():
+            out[k] = merge_metrics(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def with_annotations(v: Version, raw: dict[str, Any]) -> Version:
+    """`v` as users see it with its stored annotations `raw`: metrics annotated after the save laid
+    over the record's metrics (the record, and so the id, never changes), internal keys (`_...`)
+    hidden from `annotations`."""
+    visible = {k: x for k, x in raw.items() if not k.startswith("_")}
+    later = raw.get(LATER_METRICS)
+    if not later:
+        return replace(v, annotations=visible)
+    return replace(v, metrics=merge_metrics(v.metrics, later), recorded_metrics=v.metrics, annotations=visible)
 
 
 MAX_INT = 2**63 - 1

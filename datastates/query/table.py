@@ -11,7 +11,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from ..meta.versions import readable
+from ..meta.versions import LATER_METRICS, merge_metrics, readable
 from ..repo.repository import Repository, as_repository
 
 _FIXED: list[tuple[str, pa.DataType]] = [
@@ -62,9 +62,10 @@ def build(store: Repository) -> pa.Table:
             fixed[name].append(row[name])
         flat: dict[str, Any] = {}
         _flatten("hparams", rec.get("hparams") or {}, flat)
-        _flatten("metrics", rec.get("metrics") or {}, flat)
+        notes = annotations.get(vid, {})
+        _flatten("metrics", merge_metrics(rec.get("metrics") or {}, notes.get(LATER_METRICS)), flat)
         _flatten("explore", rec.get("explore") or {}, flat)  # PBT: explore.old.lr, explore.new.lr
-        _flatten("annotations", {k: v for k, v in annotations.get(vid, {}).items() if not k.startswith("_")}, flat)
+        _flatten("annotations", {k: v for k, v in notes.items() if not k.startswith("_")}, flat)
         for name, v in flat.items():
             col = dynamic.get(name)
             if col is None:

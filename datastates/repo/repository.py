@@ -17,11 +17,18 @@ from typing import Any
 
 from ..base.config import TierConfig
 from ..base.files import canonical_json
-from ..errors import AmbiguousRefError, ConflictError, NotFoundError, PrunedError, StoreClosedError
+from ..errors import (
+    AmbiguousRefError,
+    ConflictError,
+    InvalidArgumentError,
+    NotFoundError,
+    PrunedError,
+    StoreClosedError,
+)
 from ..meta.catalog import Catalog
 from ..meta.graph import CatalogGraph
 from ..meta.refs import HEX_ID, RefStore, check_name
-from ..meta.versions import Version, decode_record, plain_json, readable
+from ..meta.versions import LATER_METRICS, Version, decode_record, merge_metrics, plain_json, readable, with_annotations
 from ..objects.object_store import ObjectStore
 from ..objects.tier import Tier
 from ..save.job import SaveHandle
@@ -235,8 +242,8 @@ class Repository:
         if data is None:
             raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
         extra = self.catalog.extra(vid)
-        return decode_record(vid, data, annotations=self.catalog.annotations(vid),
-                             timings=extra.get("timings", {}), pruned=bool(extra.get("pruned")))
+        v = decode_record(vid, data, timings=extra.get("timings", {}), pruned=bool(extra.get("pruned")))
+        return with_annotations(v, self.catalog.annotations(vid))
 
     def parents(self, vid: str) -> list[str]:
         data = self.catalog.record(vid)
@@ -297,19 +304,28 @@ class Repository:
         return out
 
     # annotations --------------------------------------------------------------------------
-    def annotate(self, ref: Any, **values: Any) -> Version:
-        """Add or change mutable annotations (never part of the id): annotate(v, metrics={...}) or key=value."""
+    def annotate(self, ref: Any, *, metrics: Any = None, annotations: Any = None, **values: Any) -> Version:
+        """Add or change mutable annotations (never part of the id).
+
+        `metrics={...}` (numbers or None, as for save) are metrics computed after the save: they read
+        as the version's metrics (`Version.metrics`, `find("metrics.x ...")`, the versions table),
+        laid over the record's. `annotations={...}` and `key=value` are free-form annotations.
+        Keys starting with '_' are reserved. Raises InvalidArgumentError, UnsupportedValueError,
+        NotFoundError.
+        """
         vid = self.resolve(ref)
-        flat = {}
-        for k, val in values.items():
-            if k in ("metrics", "annotations") and isinstance(val, dict):
-                flat.update(val)
-            else:
-                flat[k] = val
-        clean = plain_json(flat, "annotations")
+        later = plain_json(metrics, "metrics", numbers_only=True)
+        flat = plain_json(annotations, "annotations")
+        flat.update(plain_json(values, "annotations"))
+        reserved = [k for k in flat if k.startswith("_")]
+        if reserved:
+            raise InvalidArgumentError(f"annotation {reserved[0]!r}: keys starting with '_' are reserved; "
+                                       "rename it")
         with self.refs.locked():
             current = self.catalog.annotations(vid)
-            current.update(clean)
+            current.update(flat)
+            if later:
+                current[LATER_METRICS] = merge_metrics(current.get(LATER_METRICS) or {}, later)
             current["_updated"] = time.time()
             self.tier.write_annotations(vid, canonical_json(current))
             self.catalog.set_annotations(vid, current)
