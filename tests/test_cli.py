@@ -23,6 +23,7 @@ from torch import nn
 
 import datastates as ds
 from datastates.cli import main
+from datastates.retention import KeepLatest
 
 SCRIPT = shutil.which("datastates") or str(Path(sys.executable).with_name("datastates"))
 
@@ -236,3 +237,50 @@ def test_typos_are_errors_with_close_matches(made: tuple[Path, list[ds.Version]]
         with pytest.raises(ds.errors.QueryError, match="metrics.loss"):
             s.find("metrics.los < 0.1")
         assert s.find("metrics.los < 0.1", allow_missing=True) == []
+
+
+def test_log_fixed_columns_decorations_last_pruned_marked_and_iso_times(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str]) -> None:
+    import datetime
+
+    path, vs = made
+    with ds.Store.open(path) as s:
+        s.tag("best", vs[1])
+        s.delete_branch("exp")  # main still reaches vs[0]
+        s.prune(KeepLatest(1))  # vs[0] is no head and no tag: pruned
+    rc, out, _ = run(capsys, "--store", str(path), "log", "--format", "table")
+    lines = out.splitlines()
+    assert rc == 0 and len(lines) == 3
+    assert [line[41:49] for line in lines] == ["       2", "       1", "       0"]  # fixed columns
+    cols = [line.split() for line in lines]
+    assert [c[0] for c in cols] == [v.id[:12] for v in reversed(vs)]
+    assert [c[1] for c in cols] == [datetime.datetime.fromtimestamp(v.created).astimezone()
+                                    .isoformat(timespec="seconds") for v in reversed(vs)]
+    assert [c[2] for c in cols] == ["2", "1", "0"]
+    assert lines[0].endswith("step 2  (main)") and lines[1].endswith("step 1  (tag: best)")
+    assert lines[2].endswith("step 0  [pruned]")
+    rc, out_json, _ = run(capsys, "--store", str(path), "log", "--format", "json")
+    rc2, out_alias, _ = run(capsys, "--store", str(path), "log", "--json")
+    assert rc == rc2 == 0 and out_json == out_alias and [r["pruned"] for r in json.loads(out_json)] == [
+        False, False, True]
+    rc, out, _ = run(capsys, "--store", str(path), "show", vs[2].id)
+    assert json.loads(out)["created"] == cols[0][1]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--store", str(path), "log", "-n", "-1"])
+    assert exit_info.value.code == 2 and "1 or more" in capsys.readouterr().err
+
+
+def test_find_without_order_is_by_creation_and_tiers_du_say_what_they_mean(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str]) -> None:
+    path, vs = made
+    with ds.Store.open(path) as s:
+        late = s.save({"w": torch.ones(3)}, branch="aaa", step=9)  # a branch name sorting first
+    rc, out, _ = run(capsys, "--store", str(path), "find", "step >= 0")
+    assert rc == 0 and [line.split()[0] for line in out.splitlines()[:-1]] == [
+        v.id[:12] for v in [*vs, late]]
+    rc, out, _ = run(capsys, "--store", str(path), "tiers")
+    assert rc == 0 and out.startswith("this store has one tier")
+    with ds.Store.open(path) as s:
+        s.prune(KeepLatest(1))
+    rc, out, _ = run(capsys, "--store", str(path), "du")
+    assert rc == 0 and "pruned" in out and "dedup and pruning" in out

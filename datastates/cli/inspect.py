@@ -13,9 +13,10 @@ from .output import fmt, print_json, when
 def register(sub: Any) -> None:
     s = sub.add_parser("log", help="versions reachable from a ref, newest first")
     s.add_argument("ref", nargs="?", default="main", help="where to start: branch, tag, id or REF~N (default main)")
-    s.add_argument("-n", type=int, default=None, help="at most N versions")
-    s.add_argument("--first-parent", action="store_true")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("-n", type=_positive, default=None, help="at most N versions (N >= 1)")
+    s.add_argument("--first-parent", action="store_true", help="follow only the first parent of merges")
+    s.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
+    s.add_argument("--json", action="store_const", const="json", dest="format", help="same as --format json")
     s.set_defaults(handler=_log)
     s = sub.add_parser("show", help="one version's record")
     s.add_argument("ref", nargs="?", default="main", help="branch, tag, id or REF~N (default main)")
@@ -46,26 +47,44 @@ def register(sub: Any) -> None:
     s.set_defaults(handler=_history)
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
+    return n
+
+
 def _log(store: Store, args: argparse.Namespace) -> int:
+    """One line per version: fixed columns (id, created, step, new bytes, metrics), then the message,
+    then decorations (refs, `[pruned]`), so the columns never shift."""
     versions = store.log(args.ref, first_parent=args.first_parent, limit=args.n)
-    if args.json:
-        print_json([v.record() | {"id": v.id} for v in versions])
+    if args.format == "json":
+        print_json([v.record() | {"id": v.id, "metrics": v.metrics, "created_iso": when(v.created),
+                                  "pruned": v.pruned} for v in versions])
         return 0
     heads: dict[str, list[str]] = {}
     for kind, refs in (("", store.branches()), ("tag: ", store.tags())):
         for name, vid in refs.items():
             heads.setdefault(vid, []).append(kind + name)
     for v in versions:
-        deco = f" ({', '.join(heads[v.id])})" if v.id in heads else ""
-        metrics = " ".join(f"{k}={val:.4g}" if isinstance(val, float) else f"{k}={val}" for k, val in v.metrics.items())
-        print(f"{v.short}{deco}  step={v.step}  {when(v.created)}  new={human_bytes(v.bytes_new)}  {metrics}"
-              f"{'  ' + v.message if v.message else ''}")
+        deco = [f"({', '.join(heads[v.id])})"] if v.id in heads else []
+        if v.pruned:
+            deco.append("[pruned]")
+        metrics = " ".join(f"{k}={val:.4g}" if isinstance(val, float) else f"{k}={val}"
+                           for k, val in v.metrics.items())
+        step = "-" if v.step is None else str(v.step)
+        tail = "  ".join(x for x in (metrics, v.message, " ".join(deco)) if x)
+        print(f"{v.short}  {when(v.created)}  {step:>8}  {human_bytes(v.bytes_new):>10}  {tail}".rstrip())
     return 0
 
 
 def _show(store: Store, args: argparse.Namespace) -> int:
     v = store.version(args.ref)
-    print_json(v.record() | {"id": v.id, "metrics": v.metrics, "annotations": v.annotations, "timings": v.timings})
+    print_json(v.record() | {"id": v.id, "created": when(v.created), "metrics": v.metrics, "pruned": v.pruned,
+                             "annotations": v.annotations, "timings": v.timings})
     return 0
 
 
@@ -86,9 +105,12 @@ def _du(store: Store, args: argparse.Namespace) -> int:
         print_json(d)
         return 0
     ratio = d["bytes_total"] / d["bytes_unique"] if d["bytes_unique"] else 1.0
-    print(f"versions      {d['versions']}")
+    pruned = sum(1 for p in store.versions_table().column("pruned").to_pylist() if p)
+    print(f"versions      {d['versions']}{f' ({pruned} pruned)' if pruned else ''}")
     print(f"bytes total   {human_bytes(d['bytes_total'])}  (what the versions hold)")
-    print(f"bytes unique  {human_bytes(d['bytes_unique'])}  (distinct chunks; dedup {ratio:.2f}x)")
+    # After prune + gc, unique bytes shrink by deletion too: only call the ratio dedup when nothing was pruned.
+    why = "dedup and pruning" if pruned else "dedup"
+    print(f"bytes unique  {human_bytes(d['bytes_unique'])}  (distinct chunks; total/unique {ratio:.2f}x from {why})")
     print(f"on disk       {human_bytes(d['bytes_on_disk'])} in {d['packs']} packs")
     return 0
 
@@ -114,6 +136,8 @@ def _diff(store: Store, args: argparse.Namespace) -> int:
 
 def _find(store: Store, args: argparse.Namespace) -> int:
     table = store.find(args.query, as_table=True, allow_missing=args.allow_missing)
+    if "order by" not in " ".join(args.query.lower().split()):  # no order asked: oldest first, like log -r
+        table = table.sort_by([("created", "ascending")])
     if args.json:
         print_json(table.to_pylist())
         return 0

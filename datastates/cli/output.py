@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import json
-import time
 from typing import Any
 
 
 def when(t: float) -> str:
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+    """`t` (Unix seconds) as a local ISO 8601 time with its UTC offset, to the second."""
+    return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
 
 
 def print_json(obj: Any) -> None:

@@ -24,6 +24,8 @@ def _tiers(store: Store, args: argparse.Namespace) -> int:
     if args.json:
         print_json(rows)
         return 0
+    if len(rows) == 1:
+        print("this store has one tier (no --hot tier); nothing is flushed or evicted")
     for r in rows:
         cap = f" of {human_bytes(r['capacity'])}" if r.get("capacity") else ""
         state = "" if r["reachable"] else "  UNREACHABLE"
