@@ -120,8 +120,9 @@ def test_longest_valid_names(filled: ds.Store, unchanged: Any, name: str) -> Non
         return
     assert filled.resolve(name) == filled.resolve("main")
     assert name in filled.branches()
-    filled.tag(name, "main")
-    assert filled.tags()[name] == filled.resolve("main")
+    with unchanged(filled), pytest.raises(ds.ConflictError):  # a tag may not shadow a branch
+        filled.tag(name, "main")
+    assert filled.resolve(f"branch:{name}") == filled.resolve("main")
 
 
 # --------------------------------------------------------------------------- values that cannot be stored
