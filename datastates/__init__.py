@@ -27,6 +27,7 @@ from .errors import (
     UnsupportedValueError,
 )
 from .meta.versions import Version
+from .remote import RemoteStore
 from .save.job import SaveHandle
 from .save.manifest import TensorInfo
 from .store import Store
@@ -45,7 +46,8 @@ def __getattr__(name: str) -> object:
 
 __all__ = [
     "AmbiguousRefError", "ConflictError", "DataStatesError", "DeviceError", "Flush", "IntegrityError",
-    "InvalidArgumentError", "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "SaveFailedError",
+    "InvalidArgumentError", "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "RemoteStore",
+    "SaveFailedError",
     "SaveHandle", "ShapeMismatchError", "StorageFullError", "Store", "StoreClosedError", "StoreFormatError",
     "TensorInfo", "UnsupportedValueError", "Version", "__version__",
 ]

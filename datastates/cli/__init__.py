@@ -16,9 +16,9 @@ from typing import Any
 
 from ..errors import DataStatesError
 from ..store import Store
-from . import inspect, maintenance, programs, refs, tiers
+from . import inspect, maintenance, programs, refs, serve, tiers
 
-GROUPS = (maintenance, inspect, refs, tiers, programs)
+GROUPS = (maintenance, inspect, refs, tiers, programs, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,104 @@
+"""The app factory: `create_app(store_path, token=None, cors_origin=None)`.
+
+The store is opened once per worker process, when the app starts (lifespan),
+and closed when it stops. Routes are plain `def` functions, so FastAPI runs
+their blocking store calls in its thread pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+import datastates as ds
+
+from . import API_PREFIX, errors
+from .metrics import Metrics
+from .middleware import Observe
+from .models import ErrorOut
+from .routes import refs, system, tensors, versions
+
+log = logging.getLogger("datastates.server")
+
+ENV_STORE = "DATASTATES_SERVER_STORE"
+ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
+    status: {"model": ErrorOut, "description": what} for status, what in [
+        (400, "bad query, name, argument or page token"), (401, "missing or wrong bearer token (writes)"),
+        (403, "writes disabled: the server has no token file"), (404, "unknown ref, key, name or route"),
+        (409, "conflict (name exists, compare-and-swap lost)"), (410, "the version's bytes were pruned"),
+        (413, "request body too large"), (416, "range not satisfiable"), (422, "request does not validate"),
+        (500, "internal error (typed, with a request id)")]}
+ENV_TOKEN_FILE = "DATASTATES_SERVER_TOKEN_FILE"
+ENV_CORS = "DATASTATES_SERVER_CORS_ORIGIN"
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token in `path` (surrounding whitespace stripped). Raises InvalidArgumentError if it is empty
+    or unreadable; the message names the file, never its content."""
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ds.InvalidArgumentError(f"token file {path} is unreadable ({exc.strerror}); "
+                                      "give a readable file holding one token") from None
+    if not token:
+        raise ds.InvalidArgumentError(f"token file {path} is empty; write a token into it, e.g. "
+                                      f"`python -c 'import secrets; print(secrets.token_urlsafe(32))' > {path}`")
+    return token
+
+
+def create_app(store_path: str | os.PathLike[str], token: str | None = None,
+               cors_origin: str | None = None) -> FastAPI:
+    """The FastAPI app over the store at `store_path` (which must exist).
+
+    `token`: writes need `Authorization: Bearer <token>`; None makes every write endpoint answer 403.
+    `cors_origin`: the one origin browsers may call from (CORS is off by default).
+    """
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        app.state.store = ds.Store.open(store_path, create=False)
+        try:
+            yield
+        finally:
+            store, app.state.store = app.state.store, None
+            store.close(raise_errors=False)
+
+    app = FastAPI(title="DataStates", version=ds.__version__, lifespan=lifespan,
+                  description="Lineage queries, tensor downloads and refs of a DataStates store. "
+                              "Every list answers {items, next_page_token}; every error {error: {code, message, "
+                              "details}}. See docs/server.md.")
+    app.state.store = None
+    app.state.token = token
+    app.state.metrics = metrics
+    app.state.populations = {}
+    errors.install(app)
+    for r in (versions.router, tensors.router, refs.router, system.router):
+        app.include_router(r, prefix=API_PREFIX, responses=ERROR_RESPONSES)
+    app.add_api_route("/healthz", system.healthz, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/metrics", system.metrics, methods=["GET"], include_in_schema=False)
+    if cors_origin:
+        app.add_middleware(CORSMiddleware, allow_origins=[cors_origin], allow_methods=["GET", "POST", "PUT", "DELETE"],
+                           allow_headers=["Authorization", "Content-Type", "Range", "If-None-Match"],
+                           expose_headers=["ETag", "Content-Range", "X-Request-ID"])
+    app.add_middleware(Observe, metrics=metrics)
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """Factory for `uvicorn --factory server.app:app_from_env` (each worker process builds its app).
+
+    Reads the store path, the token file's path (never the token itself) and the CORS origin from
+    DATASTATES_SERVER_STORE, DATASTATES_SERVER_TOKEN_FILE and DATASTATES_SERVER_CORS_ORIGIN."""
+    path = os.environ.get(ENV_STORE)
+    if not path:
+        raise ds.InvalidArgumentError(f"${ENV_STORE} is not set; start the server with `datastates serve --store PATH`")
+    token_file = os.environ.get(ENV_TOKEN_FILE)
+    token = read_token_file(token_file) if token_file else None
+    return create_app(path, token=token, cors_origin=os.environ.get(ENV_CORS) or None)

@@ -1,0 +1,36 @@
+"""Library values -> JSON-ready dicts (no query logic: shapes only)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import datastates as ds
+
+
+def finite(x: Any) -> Any:
+    """JSON has no NaN/Infinity: non-finite floats become the strings "NaN", "Infinity", "-Infinity"."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
+
+
+def version_dict(v: ds.Version) -> dict[str, Any]:
+    d = dataclasses.asdict(v)
+    d["parents"] = list(v.parents)
+    return finite(d)  # type: ignore[no-any-return]
+
+
+def tensor_dict(t: ds.TensorInfo) -> dict[str, Any]:
+    return finite({"key": t.key, "dtype": t.dtype, "shape": list(t.shape), "nbytes": t.nbytes, "kind": t.kind,
+                   "chunks": t.chunks, "stats": dict(t.stats)})  # type: ignore[no-any-return]
+
+
+def table_rows(table: Any) -> list[dict[str, Any]]:
+    """A pyarrow Table's rows as JSON-ready dicts."""
+    return [finite(r) for r in table.to_pylist()]

@@ -1,0 +1,49 @@
+"""What routes share: the store opened once per worker process, write authorization, path params."""
+
+from __future__ import annotations
+
+import hmac
+import re
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+import datastates as ds
+
+from .errors import ApiError
+from .middleware import unescape
+
+_bearer = HTTPBearer(auto_error=False, description="Required on write endpoints when the server has a token file")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def get_store(request: Request) -> ds.Store:
+    """The worker's store (opened at startup by the app's lifespan)."""
+    store: ds.Store | None = getattr(request.app.state, "store", None)
+    if store is None:
+        raise ApiError(503, "UNAVAILABLE", "the store is not open yet; retry in a moment")
+    return store
+
+
+def require_write(request: Request,
+                  creds: HTTPAuthorizationCredentials | None = Depends(_bearer)) -> None:
+    """Writes need `Authorization: Bearer <token>` when the server has a token; 403 when it has none."""
+    token: str | None = request.app.state.token
+    if token is None:
+        raise ApiError(403, "WRITES_DISABLED",
+                       "this server is read-only: restart it with --token-file FILE to enable writes")
+    given = creds.credentials if creds is not None and creds.scheme.lower() == "bearer" else None
+    # compare_digest on bytes: constant time whatever the lengths' first differing byte.
+    if given is None or not hmac.compare_digest(given.encode(), token.encode()):
+        raise ApiError(401, "UNAUTHORIZED",
+                       "missing or wrong token; send the header 'Authorization: Bearer <token>'",
+                       headers={"WWW-Authenticate": "Bearer"})
+
+
+def ref_param(value: str, what: str = "ref") -> str:
+    """A path parameter decoded (%2F -> '/'); control characters are refused before the store sees them."""
+    out = unescape(value)
+    if not out or _CONTROL.search(out):
+        raise ds.InvalidNameError(f"{what} {out!r} is empty or holds a control character; "
+                                  "give a version id, branch or tag")
+    return out

@@ -1,0 +1,130 @@
+"""Tensor representations for download: .npy and safetensors headers, byte ranges over header + tensors.
+
+The bytes come from `datastates.tensor_bytes.iter_tensor_bytes`, one chunk at a
+time, so a request holds one chunk in memory whatever the tensor's size.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import blake3
+
+import datastates as ds
+from datastates.tensor_bytes import TensorBytes, iter_tensor_bytes
+
+_NPY = {"float64": "<f8", "float32": "<f4", "float16": "<f2", "int64": "<i8", "int32": "<i4", "int16": "<i2",
+        "int8": "|i1", "uint8": "|u1", "bool": "|b1", "complex64": "<c8", "complex128": "<c16",
+        "uint16": "<u2", "uint32": "<u4", "uint64": "<u8"}
+_SAFETENSORS = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
+                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL", "uint16": "U16",
+                "uint32": "U32", "uint64": "U64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+
+
+def npy_header(t: TensorBytes) -> bytes:
+    """An .npy (format 1.0) header for the tensor; InvalidArgumentError for dtypes numpy lacks."""
+    descr = _NPY.get(t.dtype)
+    if descr is None:
+        raise ds.InvalidArgumentError(
+            f"tensor {t.key!r} has dtype {t.dtype}, which .npy cannot hold; ask for format=safetensors")
+    shape = repr(tuple(t.shape))
+    text = f"{{'descr': '{descr}', 'fortran_order': False, 'shape': {shape}, }}"
+    pad = 64 - (10 + len(text) + 1) % 64
+    body = (text + " " * (pad % 64) + "\n").encode("latin-1")
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body
+
+
+def safetensors_header(tensors: list[TensorBytes], metadata: dict[str, str]) -> bytes:
+    """A safetensors header placing the tensors back to back in the given order."""
+    head: dict[str, object] = {"__metadata__": metadata}
+    pos = 0
+    for t in tensors:
+        dt = _SAFETENSORS.get(t.dtype)
+        if dt is None:
+            raise ds.InvalidArgumentError(
+                f"tensor {t.key!r} has dtype {t.dtype}, which safetensors cannot hold; ask for format=npy")
+        head[t.key] = {"dtype": dt, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        pos += t.nbytes
+    raw = json.dumps(head, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned
+    return struct.pack("<Q", len(raw)) + raw
+
+
+@dataclass(frozen=True)
+class Body:
+    """A downloadable file: a header followed by the bytes of some tensors, all of one version."""
+
+    header: bytes
+    tensors: tuple[TensorBytes, ...]
+    media_type: str
+    fmt: str
+
+    @property
+    def length(self) -> int:
+        return len(self.header) + sum(t.nbytes for t in self.tensors)
+
+    @property
+    def etag(self) -> str:
+        """Strong validator: the tensors' content hashes and the representation's header."""
+        h = blake3.blake3(self.fmt.encode() + b"|" + self.header)
+        for t in self.tensors:
+            h.update(t.content_hash.encode())
+        return f'"{h.hexdigest()[:32]}"'
+
+
+def npy_body(t: TensorBytes) -> Body:
+    return Body(npy_header(t), (t,), "application/octet-stream", "npy")
+
+
+def safetensors_body(tensors: list[TensorBytes], version: str,
+                     paths: dict[str, list[str | int]] | None = None) -> Body:
+    meta = {"datastates.version": version}
+    if paths is not None:  # how load() nests these keys: lets a client rebuild the state exactly
+        meta["datastates.paths"] = json.dumps({t.key: paths.get(t.key) for t in tensors}, separators=(",", ":"))
+    return Body(safetensors_header(tensors, meta), tuple(tensors),
+                "application/octet-stream", "safetensors")
+
+
+def iter_body(store: ds.Store, body: Body, start: int, end: int) -> Iterator[bytes]:
+    """Bytes [start, end) of the file, one chunk at a time."""
+    pos = 0
+    h = body.header
+    if start < len(h):
+        yield h[start:min(end, len(h))]
+    pos = len(h)
+    for t in body.tensors:
+        s, e = pos, pos + t.nbytes
+        if e > start and s < end:
+            yield from iter_tensor_bytes(store, t.version, t.key, max(start - s, 0), min(end, e) - s, info=t)
+        pos = e
+        if pos >= end:
+            break
+
+
+def parse_range(header: str | None, length: int) -> tuple[int, int] | None:
+    """[start, end) of a single `bytes=` range; None to send the whole file (no header, several
+    ranges, or a malformed one: RFC 9110 lets a server ignore those). Raises ValueError when the
+    range is well formed but unsatisfiable (-> 416)."""
+    if not header:
+        return None
+    unit, _, spec = header.partition("=")
+    if unit.strip().lower() != "bytes" or "," in spec:
+        return None
+    first, dash, last = (x.strip() for x in spec.partition("-"))
+    if not dash or (first and not first.isdigit()) or (last and not last.isdigit()) or not (first or last):
+        return None
+    if not first:  # a suffix: the last N bytes
+        n = int(last)
+        if n == 0:
+            raise ValueError(f"range {header!r} asks for 0 bytes")
+        return max(length - n, 0), length
+    s = int(first)
+    e = int(last) + 1 if last else length
+    if last and e <= s:
+        return None  # last < first: invalid, ignored
+    if s >= length:
+        raise ValueError(f"range {header!r} starts past the end ({length} bytes)")
+    return s, min(e, length)
