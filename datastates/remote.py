@@ -135,9 +135,9 @@ class RemoteStore:
     def merge_base(self, a: Any, b: Any) -> str | None:
         return self._get(f"/versions/{_seg(a)}/merge-base/{_seg(b)}")["merge_base"]  # type: ignore[no-any-return]
 
-    def find(self, query: str = "", *, order_by: str = "id", branch: str | None = None) -> list[Version]:
-        """Versions matching `query`. Ordered by `order_by` (default id, which is `Store.find`'s order
-        for a query without `order by`): give sort keys here rather than in the query."""
+    def find(self, query: str = "", *, order_by: str = "created", branch: str | None = None) -> list[Version]:
+        """Versions matching `query`. Ordered by `order_by` (default creation time, oldest first: `Store.find`'s
+        order for a query without `order by`): give sort keys here rather than in the query."""
         return [_version(d) for d in self._walk("/versions", filter=query, order_by=order_by, branch=branch)]
 
     def branches(self) -> dict[str, str]:
@@ -155,7 +155,7 @@ class RemoteStore:
         """A pyarrow Table like `Store.diff`."""
         import pyarrow as pa
 
-        from .compare import DIFF_SCHEMA
+        from .query.compare import DIFF_SCHEMA
 
         rows = [{k: _num(v) for k, v in r.items()}
                 for r in self._walk(f"/versions/{_seg(a)}/diff/{_seg(b)}", keys=keys)]
@@ -165,7 +165,7 @@ class RemoteStore:
         """A pyarrow Table like `Store.history` (stats only; no tensor bytes are read)."""
         import pyarrow as pa
 
-        from .compare import HISTORY_SCHEMA
+        from .query.compare import HISTORY_SCHEMA
 
         rows = [{k: _num(v) for k, v in r.items()}
                 for r in self._walk(f"/tensors/{_seg(key)}/history", ref=ref if isinstance(ref, str) else _seg(ref))]

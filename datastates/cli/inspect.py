@@ -136,8 +136,6 @@ def _diff(store: Store, args: argparse.Namespace) -> int:
 
 def _find(store: Store, args: argparse.Namespace) -> int:
     table = store.find(args.query, as_table=True, allow_missing=args.allow_missing)
-    if "order by" not in " ".join(args.query.lower().split()):  # no order asked: oldest first, like log -r
-        table = table.sort_by([("created", "ascending")])
     if args.json:
         print_json(table.to_pylist())
         return 0

@@ -83,7 +83,8 @@ def build(store: Repository) -> pa.Table:
 
 
 def find(repo: Repository, versions: pa.Table, query: str, *, allow_missing: bool = False) -> pa.Table:
-    """The rows of `versions` (the versions table) matching `query`, in its order. The lineage
+    """The rows of `versions` (the versions table) matching `query`, in the query's `order by`, else
+    oldest first (ties by id). The lineage
     predicates (`ancestor_of(ref)`, `descendant_of(ref)`) resolve refs through `repo`.
     A field no version has is a QueryError with close matches unless `allow_missing`.
     Raises QueryError with the offset, NotFoundError for an unknown ref."""
@@ -97,4 +98,7 @@ def find(repo: Repository, versions: pa.Table, query: str, *, allow_missing: boo
         walk = ancestors if kind == "ancestor_of" else descendants
         return set(walk(repo.graph, start))
 
-    return q.apply(versions, lineage, allow_missing=allow_missing)
+    rows = q.apply(versions, lineage, allow_missing=allow_missing)
+    if not q.order_by:  # like `git log` and MLflow's search: oldest first, then by id for equal times
+        rows = rows.sort_by([("created", "ascending"), ("id", "ascending")])
+    return rows
