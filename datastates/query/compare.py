@@ -98,7 +98,10 @@ def diff(store: Repository, a: Any, b: Any, keys: list[str] | None = None) -> pa
             continue
         tx, ty = _tensor_row(ma, x), _tensor_row(mb, y)
         if tx is None or ty is None:
-            row["status"] = "same" if x == y else "changed"
+            # A view of a shared storage has no bytes of its own: compare the bytes the key sees, since a
+            # change made through another view of the storage changes it too.
+            row.update(_compare_values(_key_bytes(store, ma, x), _key_bytes(store, mb, y),
+                                       dtype_from_name(x["dtype"])))
             out.append(row)
             continue
         row.update(_compare(store, ma, tx, mb, ty))
@@ -137,6 +140,53 @@ def _compare(store: Repository, ma: Manifest, x: dict[str, Any], mb: Manifest, y
             cosine = max(-1.0, min(1.0, (na * na + nb * nb - sq) / (2 * na * nb)))
     return {"status": status, "l2_change": l2, "rel_change": rel, "cosine": cosine, "max_abs_diff": max_abs,
             "chunks_shared": shared, "chunks_total": total, "bytes_shared": shared_bytes}
+
+
+def view_span(m: Manifest, r: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
+    """(storage row, first byte, end byte) of the part of its storage that view row `r` can see."""
+    base = m.rows[r["base"]]
+    item = dtype_from_name(r["dtype"]).itemsize
+    if math.prod(r["shape"]) == 0:
+        return base, 0, 0
+    last = r["offset"] + sum((n - 1) * st for n, st in zip(r["shape"], r["stride"]))
+    return base, r["offset"] * item, (last + 1) * item
+
+
+def key_chunks(m: Manifest, r: dict[str, Any]) -> list[bytes]:
+    """The chunk ids holding the bytes key row `r` sees: its own (or its alias base's), or for a view the
+    chunks of its storage that overlap the view's span. Equal lists mean equal bytes."""
+    if r["kind"] != "view":
+        return list((_tensor_row(m, r) or r)["chunks"] or [])
+    base, start, end = view_span(m, r)
+    return [c for c, (s, e) in zip(base["chunks"] or [], spans(base["nbytes"], m.chunk_size)) if s < end and e > start]
+
+
+def _key_bytes(store: Repository, m: Manifest, r: dict[str, Any]) -> bytes:
+    """The logical bytes of key row `r` (row-major), read chunk by chunk; views are cut from their storage."""
+    if r["kind"] != "view":
+        tr = _tensor_row(m, r) or r
+        return _range(store, m, tr, 0, tr["nbytes"])
+    base, start, end = view_span(m, r)
+    dtype = dtype_from_name(r["dtype"])
+    raw = _range(store, m, base, start, end)
+    if not raw:
+        return b""
+    flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype)
+    t = flat.as_strided(tuple(r["shape"]), tuple(r["stride"]), 0).contiguous().reshape(-1)
+    return bytes(t.view(torch.uint8).numpy().tobytes())
+
+
+def _compare_values(a: bytes, b: bytes, dtype: torch.dtype) -> dict[str, Any]:
+    """diff's columns for two byte strings of one dtype and shape, read whole (views are small parts)."""
+    fa, fb = _as_float(a, dtype), _as_float(b, dtype)
+    sq, max_abs = _accumulate(fb - fa, 0.0, 0.0)
+    l2 = math.sqrt(sq)
+    na = float(torch.linalg.vector_norm(torch.nan_to_num(fa))) if fa.numel() else 0.0
+    nb = float(torch.linalg.vector_norm(torch.nan_to_num(fb))) if fb.numel() else 0.0
+    rel = l2 / na if na > 0 else (0.0 if l2 == 0 else math.inf)
+    cosine = max(-1.0, min(1.0, (na * na + nb * nb - sq) / (2 * na * nb))) if na > 0 and nb > 0 else None
+    return {"status": "same" if a == b else "changed", "l2_change": l2, "rel_change": rel, "cosine": cosine,
+            "max_abs_diff": max_abs}
 
 
 def _accumulate(d: torch.Tensor, sq: float, max_abs: float) -> tuple[float, float]:
@@ -183,6 +233,7 @@ def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
     store = as_repository(store)
     rows: list[dict[str, Any]] = []
     prev: dict[str, Any] | None = None
+    prev_chunks: list[bytes] = []
     chain = history_versions(store, ref)
     for v in chain:
         m = store.manifest_of(v)
@@ -191,13 +242,16 @@ def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
             continue
         r = m.rows[i]
         tr = _tensor_row(m, r) or r
+        # The chunks of the bytes this key sees (for a view: the overlapping chunks of its storage), so a
+        # change made through another view of a shared storage counts here too.
+        chunks = key_chunks(m, r)
         changed = None if prev is None else sum(
-            1 for j, c in enumerate(tr["chunks"]) if j >= len(prev["chunks"]) or prev["chunks"][j] != c)
+            1 for j, c in enumerate(chunks) if j >= len(prev_chunks) or prev_chunks[j] != c)
         l2_delta = None if prev is None or prev["l2"] is None or tr["l2"] is None else tr["l2"] - prev["l2"]
         rows.append({"version": v.id, "step": v.step, "created": v.created, "dtype": r["dtype"], "shape": r["shape"],
                      **{f: tr[f] for f in ("min", "max", "mean", "std", "l2", "nan_count", "inf_count")},
                      "chunks_changed": changed, "l2_delta": l2_delta})
-        prev = tr
+        prev, prev_chunks = tr, chunks
     if not rows and chain:
         keys = list(store.manifest_of(chain[-1]).index)
         close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)

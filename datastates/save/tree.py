@@ -85,6 +85,9 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def _check_tensor(t: torch.Tensor, path: str) -> None:
+    if t.is_nested:
+        raise UnsupportedValueError(f"{path} is a nested tensor ({t.layout}); save its parts instead, "
+                                    "e.g. list(t.unbind())")
     if t.layout != torch.strided:
         raise UnsupportedValueError(f"{path} is a {t.layout} tensor; convert it with .to_dense() before saving")
     if t.device.type == "meta":
@@ -115,10 +118,15 @@ class Flattener:
             if path in self._paths:
                 raise UnsupportedValueError(f"two values map to the key path {path!r}; rename one of the keys")
             self._paths.add(path)
-            self._tensors.append((path, v))
-            node: dict[str, Any] = {"t": "tensor", "i": len(self._tensors) - 1}
+            node: dict[str, Any] = {"t": "tensor", "i": len(self._tensors)}
             if isinstance(v, torch.nn.Parameter):
                 node["param"] = bool(v.requires_grad)
+            elif v.requires_grad:
+                node["grad"] = True  # a learned plain tensor (SAC's log_alpha) must come back trainable
+            if v.is_conj() or v.is_neg():
+                # Lazy conjugate/negative views hold their bits apart from the bytes: save the values.
+                v = v.detach().resolve_conj().resolve_neg()
+            self._tensors.append((path, v))
             return node
         if v is None or isinstance(v, (bool, str)):
             return {"t": "v", "v": v}
@@ -239,6 +247,8 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
             return val.numpy()
         if "param" in node:
             return torch.nn.Parameter(val, requires_grad=node["param"])
+        if node.get("grad") and not val.requires_grad:
+            val = val.requires_grad_(True)
         return val
     if t == "v":
         return node["v"]
