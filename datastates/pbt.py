@@ -6,11 +6,15 @@ read or written) and records the donor in the new version's `fork_of`;
 `explore` records a hyperparameter change as `explore = {"old": ..., "new": ...}`
 on a version. The family tree is therefore a query over real fields, never a
 log to parse. Versions that a living member's lineage needs are protected
-from pruning (see `protected`).
+from pruning: in this process by a protector (see `protected`), and in every
+other process by a lease file naming the population's branch prefix
+(datastates.meta.leases), renewed on each save and released by `close()` or
+at exit.
 """
 
 from __future__ import annotations
 
+import atexit
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -19,6 +23,7 @@ import pyarrow as pa
 
 from .errors import InvalidArgumentError, NotFoundError
 from .maintenance.retention import register_protector
+from .meta import leases
 
 if TYPE_CHECKING:
     from .meta.versions import Version
@@ -45,6 +50,7 @@ class Member:
 
     def save(self, state: Any, *, metrics: dict[str, Any], step: int | None = None, **kw: Any) -> Version:
         """Save this member's state on its branch with its current hyperparameters."""
+        self.population.renew()
         return self.population.store.save(state, branch=self.branch, step=step, hparams=self.hparams,
                                           metrics=metrics, **kw)
 
@@ -79,6 +85,25 @@ class Population:
             if head is not None:
                 m.hparams = dict(head.hparams)
         _LIVING.setdefault(id(store.repo), []).append(self)
+        self.renew()
+        atexit.register(self.close)
+
+    def renew(self) -> None:
+        """Take or renew the lease that keeps this population's lineage from any process's prune."""
+        leases.take(self.store.root, f"pbt-{self.name}", f"{self.name}/")
+
+    def close(self) -> None:
+        """Release the lease and the in-process protection (a Population is also a context manager)."""
+        pops = _LIVING.get(id(self.store.repo), [])
+        if self in pops:
+            pops.remove(self)
+        leases.release(self.store.root, f"pbt-{self.name}")
+
+    def __enter__(self) -> Population:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def ranked(self) -> list[Member]:
         """Members with a score, best first."""
@@ -101,6 +126,7 @@ class Population:
         if src is None:
             raise NotFoundError(f"donor {donor.branch} has no saved version yet; save before exploiting")
         member.hparams = dict(src.hparams)
+        self.renew()
         return self.store.fork(src, branch=member.branch, parents=[src.id], fork_of=src.id,
                                message=f"exploit: {member.branch} <- {donor.branch}")
 

@@ -387,6 +387,25 @@ def _chunks_of(store: Repository, mids: Iterable[str]) -> set[bytes]:
     return out
 
 
+def _leased(store: Repository) -> set[str]:
+    """Ancestors of the branches under a live lease (a population running in any process on this store).
+    An unreadable lease file protects the ancestors of every branch: keeping too much is safe."""
+    from ..meta.leases import live
+    from ..query.lineage import ancestors
+
+    leases, bad = live(store.root)
+    if bad:
+        log.warning("unreadable lease file(s) %s: keeping the ancestors of every branch; "
+                    "remove them once no population runs", ", ".join(bad))
+    prefixes = [""] if bad else [lease.prefix for lease in leases]
+    out: set[str] = set()
+    for name, vid in store.refs.names("branch").items():
+        if any(name.startswith(p) for p in prefixes):
+            out.add(vid)
+            out.update(ancestors(store.graph, vid))
+    return out
+
+
 def _plan(store: Repository, retention: Policy, dry_run: bool) -> tuple[PrunePlan, set[str]]:
     in_catalog, marked_only = _pruned_now(store)
     already = in_catalog | marked_only
@@ -397,7 +416,7 @@ def _plan(store: Repository, retention: Policy, dry_run: bool) -> tuple[PrunePla
     for t in _reachable_tiers(store):  # a shared cold tier may carry other hosts' branches and tags
         refs.update(store.refs_on(t).names("branch").values())
         refs.update(store.refs_on(t).names("tag").values())
-    protected = (refs | protected_ids(store)) & ids
+    protected = (refs | protected_ids(store) | _leased(store)) & ids
     keep = (retention.keep(list(candidates), store) & ids) | protected
     doomed = ids - keep
     # Bytes gc can free: chunks of the doomed versions that no version keeping its bytes names.

@@ -1,0 +1,93 @@
+"""A population running in another process keeps its lineage from any prune (a lease file), and a
+dead or closed population stops protecting it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import datastates as ds
+from datastates.cli import main as cli
+
+HELPER = Path(__file__).parent / "helpers" / "pbt_holder.py"
+
+
+def _start(path: Path) -> subprocess.Popen[str]:
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, str(HELPER), str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # blocks until the child has saved and exploited (its event)
+    assert line.strip() == "READY", line
+    return proc
+
+
+def _lineage(path: Path) -> set[str]:
+    with ds.Store.open(path, create=False) as s:
+        return {vid for name, head in s.branches().items() if name.startswith("sweep/")
+                for vid in [head, *s.ancestors(head)]}
+
+
+def test_prune_from_another_process_keeps_a_live_populations_lineage(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    proc = _start(path)
+    try:
+        needed = _lineage(path)
+        assert len(needed) == 4  # member-01: 3 saves; member-00: the fork of its head (its own line was left)
+        assert cli(["--store", str(path), "prune", "--keep-latest", "1"]) == 0
+        with ds.Store.open(path, create=False) as s:
+            assert not any(s.version(v).pruned for v in needed)
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("load\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip().startswith("LOADED ")
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+    assert not list((path / "leases").glob("*.json"))  # close() released it
+    assert cli(["--store", str(path), "prune", "--keep-latest", "1"]) == 0
+    with ds.Store.open(path, create=False) as s:
+        assert sum(s.version(v).pruned for v in needed) > 0  # no lease: the policy applies again
+
+
+def test_a_killed_populations_lease_stops_protecting(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    proc = _start(path)
+    proc.kill()
+    proc.wait()
+    assert list((path / "leases").glob("*.json"))  # left behind by the SIGKILL
+    needed = _lineage(path)
+    assert cli(["--store", str(path), "prune", "--keep-latest", "1"]) == 0
+    with ds.Store.open(path, create=False) as s:
+        assert sum(s.version(v).pruned for v in needed) > 0  # its pid is gone on this host
+
+
+def test_an_unreadable_lease_keeps_every_branchs_lineage(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with ds.Store.open(path) as s:
+        import torch
+        for i in range(4):
+            s.save({"w": torch.full((8,), float(i))}, step=i)
+        ids = [v.id for v in s.log()]
+    (path / "leases").mkdir()
+    (path / "leases" / "broken.json").write_bytes(b"\xff not json")
+    assert cli(["--store", str(path), "prune", "--keep-latest", "1"]) == 0
+    with ds.Store.open(path, create=False) as s:
+        assert not any(s.version(v).pruned for v in ids)
+
+
+@pytest.mark.parametrize("name", ["sweep", "a/b c"])
+def test_population_close_releases_only_its_own_lease(tmp_path: Path, name: str) -> None:
+    from datastates.meta import leases
+    from datastates.pbt import Population
+
+    with ds.Store.open(tmp_path / "s") as s:
+        with Population(s, name, size=2):
+            live, bad = leases.live(s.root)
+            assert [lease.prefix for lease in live] == [f"{name}/"] and bad == []
+        assert leases.live(s.root) == ([], [])
