@@ -15,6 +15,8 @@ from pathlib import Path
 
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
 
 import datastates as ds
 
@@ -22,7 +24,7 @@ from . import API_PREFIX, errors
 from .metrics import Metrics
 from .middleware import Observe
 from .models import ErrorOut
-from .routes import refs, system, tensors, versions
+from .routes import graph, refs, system, tensors, versions
 
 log = logging.getLogger("datastates.server")
 
@@ -35,6 +37,11 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (413, "request body too large"), (416, "range not satisfiable"), (422, "request does not validate"),
         (500, "internal error (typed, with a request id)")]}
 ENV_TOKEN_FILE = "DATASTATES_SERVER_TOKEN_FILE"
+STATIC = Path(__file__).parent / "static"
+
+
+def _index() -> FileResponse:
+    return FileResponse(STATIC / "index.html", media_type="text/html; charset=utf-8")
 ENV_CORS = "DATASTATES_SERVER_CORS_ORIGIN"
 
 
@@ -79,8 +86,11 @@ def create_app(store_path: str | os.PathLike[str], token: str | None = None,
     app.state.metrics = metrics
     app.state.populations = {}
     errors.install(app)
-    for r in (versions.router, tensors.router, refs.router, system.router):
+    for r in (versions.router, tensors.router, refs.router, system.router, graph.router):
         app.include_router(r, prefix=API_PREFIX, responses=ERROR_RESPONSES)
+    # The lineage page: static files shipped in the package (no CDN, no npm: works air-gapped).
+    app.add_api_route("/", _index, methods=["GET"], include_in_schema=False)
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
     app.add_api_route("/healthz", system.healthz, methods=["GET"], include_in_schema=False)
     app.add_api_route("/metrics", system.metrics, methods=["GET"], include_in_schema=False)
     if cors_origin:
