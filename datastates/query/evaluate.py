@@ -10,22 +10,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from ..errors import QueryError
-from .syntax import (
-    _NUMERIC_STRING,
-    And,
-    Compare,
-    InList,
-    IsNull,
-    Like,
-    Lineage,
-    LineageFn,
-    Node,
-    Not,
-    Or,
-    Value,
-    _Leaf,
-    _parse_number,
-)
+from . import syntax as S
 
 _COMPARE_FUNCS: dict[str, Callable[..., Any]] = {
     "=": pc.equal, "!=": pc.not_equal, "<": pc.less, "<=": pc.less_equal, ">": pc.greater, ">=": pc.greater_equal,
@@ -76,11 +61,11 @@ def _column(table: pa.Table, name: str) -> pa.Array:
 
 def _to_float(strings: pa.Array) -> pa.Array:
     """Strings that look like decimal numbers as float64, everything else null."""
-    numeric = pc.match_substring_regex(strings, _NUMERIC_STRING)
+    numeric = pc.match_substring_regex(strings, S._NUMERIC_STRING)
     return pc.cast(pc.if_else(numeric, strings, pa.scalar(None, strings.type)), pa.float64())
 
 
-def _coerce(values: pa.Array, literal: Value) -> tuple[pa.Array, Value] | None:
+def _coerce(values: pa.Array, literal: S.Value) -> tuple[pa.Array, S.Value] | None:
     """The column and literal converted so they compare, or None when the pair can never
     compare (the predicate is then null for every row).
 
@@ -104,7 +89,7 @@ def _coerce(values: pa.Array, literal: Value) -> tuple[pa.Array, Value] | None:
     if kind == "string":
         return values, literal
     if kind == "number":
-        number = _parse_number(literal)
+        number = S._parse_number(literal)
         return None if number is None else (values, number)
     if kind == "bool":
         flag = {"true": True, "false": False}.get(literal.lower())
@@ -112,7 +97,7 @@ def _coerce(values: pa.Array, literal: Value) -> tuple[pa.Array, Value] | None:
     return None
 
 
-def _compare(values: pa.Array, op: str, literal: Value) -> pa.Array:
+def _compare(values: pa.Array, op: str, literal: S.Value) -> pa.Array:
     """`values op literal` per row under `_coerce` rules; null where either side is null."""
     coerced = _coerce(values, literal)
     if coerced is None:
@@ -121,13 +106,13 @@ def _compare(values: pa.Array, op: str, literal: Value) -> pa.Array:
     return _COMPARE_FUNCS[op](column, pa.scalar(scalar))
 
 
-def _literal_class(literal: Value) -> str:
+def _literal_class(literal: S.Value) -> str:
     if isinstance(literal, bool):
         return "bool"
     return "number" if isinstance(literal, (int, float)) else "string"
 
 
-def _in_list(values: pa.Array, literals: Sequence[Value]) -> pa.Array:
+def _in_list(values: pa.Array, literals: Sequence[S.Value]) -> pa.Array:
     """`values in (literals)`, equal to `values = l1 or values = l2 or ...`, with one
     `is_in` per kind of literal instead of one comparison per literal."""
     result: pa.Array | None = None
@@ -147,7 +132,7 @@ def _in_list(values: pa.Array, literals: Sequence[Value]) -> pa.Array:
     return result if result is not None else _nulls(len(values))
 
 
-def _is_in(column: pa.Array, scalars: list[Value]) -> pa.Array:
+def _is_in(column: pa.Array, scalars: list[S.Value]) -> pa.Array:
     """Membership with SQL nulls: null rows give null, not false."""
     if _kind(column.type) == "number":
         # is_in hashes bits, so -0.0 would miss 0.0 (which `=` matches); adding +0.0 turns -0.0 into 0.0.
@@ -169,31 +154,31 @@ def _like(values: pa.Array, pattern: str) -> pa.Array:
     return pc.match_like(values, pattern)
 
 
-def _leaf(node: _Leaf, values: pa.Array) -> pa.Array:
+def _leaf(node: S._Leaf, values: pa.Array) -> pa.Array:
     """One predicate over an array of cells."""
-    if isinstance(node, Compare):
+    if isinstance(node, S.Compare):
         return _compare(values, node.op, node.value)
-    if isinstance(node, IsNull):
+    if isinstance(node, S.IsNull):
         return pc.is_valid(values) if node.negated else pc.is_null(values)
-    mask = _in_list(values, node.values) if isinstance(node, InList) else _like(values, node.pattern)
+    mask = _in_list(values, node.values) if isinstance(node, S.InList) else _like(values, node.pattern)
     return pc.invert(mask) if node.negated else mask
 
 
-def _positive(node: _Leaf) -> tuple[_Leaf, bool]:
+def _positive(node: S._Leaf) -> tuple[S._Leaf, bool]:
     """The predicate without its negation, and whether it was negated (for tag lists)."""
-    if isinstance(node, Compare) and node.op == "!=":
-        return Compare(node.field, "=", node.value, node.offset), True
-    if isinstance(node, InList) and node.negated:
-        return InList(node.field, node.values, False, node.offset), True
-    if isinstance(node, Like) and node.negated:
-        return Like(node.field, node.pattern, False, node.offset), True
+    if isinstance(node, S.Compare) and node.op == "!=":
+        return S.Compare(node.field, "=", node.value, node.offset), True
+    if isinstance(node, S.InList) and node.negated:
+        return S.InList(node.field, node.values, False, node.offset), True
+    if isinstance(node, S.Like) and node.negated:
+        return S.Like(node.field, node.pattern, False, node.offset), True
     return node, False
 
 
 class _Evaluator:
     """Evaluates a tree to one boolean (nullable) Array per node, caching columns."""
 
-    def __init__(self, table: pa.Table, lineage: LineageFn | None, text: str) -> None:
+    def __init__(self, table: pa.Table, lineage: S.LineageFn | None, text: str) -> None:
         self.table = table
         self.rows = table.num_rows
         self.lineage = lineage
@@ -201,7 +186,7 @@ class _Evaluator:
         self.columns: dict[str, pa.Array] = {}
         self.lineage_masks: dict[tuple[str, str], pa.Array] = {}
 
-    def column(self, node: _Leaf | Lineage, name: str) -> pa.Array:
+    def column(self, node: S._Leaf | S.Lineage, name: str) -> pa.Array:
         """Column `name`, checked to be comparable; raises QueryError pointing at `node`."""
         if name not in self.columns:
             array = _column(self.table, name)
@@ -211,31 +196,31 @@ class _Evaluator:
             self.columns[name] = array
         return self.columns[name]
 
-    def eval(self, node: Node) -> pa.Array:
-        if isinstance(node, And):
+    def eval(self, node: S.Node) -> pa.Array:
+        if isinstance(node, S.And):
             return self.fold(pc.and_kleene, node.operands)
-        if isinstance(node, Or):
+        if isinstance(node, S.Or):
             return self.fold(pc.or_kleene, node.operands)
-        if isinstance(node, Not):
+        if isinstance(node, S.Not):
             return pc.invert(self.eval(node.operand))
-        if isinstance(node, Lineage):
+        if isinstance(node, S.Lineage):
             return self.eval_lineage(node)
         if node.field == "tag":
             return self.eval_tag(node)
         values = self.column(node, node.field)
-        if (isinstance(node, Compare) and isinstance(node.value, str) and _kind(values.type) == "number"
-                and _parse_number(node.value) is None):
+        if (isinstance(node, S.Compare) and isinstance(node.value, str) and _kind(values.type) == "number"
+                and S._parse_number(node.value) is None):
             raise QueryError(f"field '{node.field}' holds numbers; {node.value!r} is not a number "
                              "(drop the quotes around a number, or compare a text field)", self.text, node.offset)
         return _leaf(node, values)
 
-    def fold(self, combine: Callable[..., Any], operands: tuple[Node, ...]) -> pa.Array:
+    def fold(self, combine: Callable[..., Any], operands: tuple[S.Node, ...]) -> pa.Array:
         result = self.eval(operands[0])
         for operand in operands[1:]:
             result = combine(result, self.eval(operand))
         return result
 
-    def eval_lineage(self, node: Lineage) -> pa.Array:
+    def eval_lineage(self, node: S.Lineage) -> pa.Array:
         """Rows whose id is in `lineage(kind, ref)`; the resolver runs once per distinct pair."""
         assert self.lineage is not None  # Query.apply checks before evaluating
         key = (node.kind, node.ref)
@@ -247,7 +232,7 @@ class _Evaluator:
                 self.lineage_masks[key] = _is_in(ids, sorted(self.lineage(node.kind, node.ref)))
         return self.lineage_masks[key]
 
-    def eval_tag(self, node: _Leaf) -> pa.Array:
+    def eval_tag(self, node: S._Leaf) -> pa.Array:
         """Tags are a list per row: a positive predicate holds when any tag satisfies it,
         a negated one when none does; an empty or null list counts as no tags."""
         tags = _column(self.table, "tags")
@@ -255,7 +240,7 @@ class _Evaluator:
             tags = pa.array([[]] * self.rows, pa.list_(pa.string()))
         if not (pa.types.is_list(tags.type) or pa.types.is_large_list(tags.type)):
             raise QueryError(f"column 'tags' has type {tags.type}, expected a list of strings", self.text, node.offset)
-        if isinstance(node, IsNull):
+        if isinstance(node, S.IsNull):
             empty = pc.fill_null(pc.equal(pc.list_value_length(tags), 0), True)
             return pc.invert(empty) if node.negated else empty
         positive, negated = _positive(node)

@@ -8,26 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import QueryError
-from .syntax import (
-    _KEYWORDS,
-    BARE_FIELDS,
-    LINEAGE_FUNCTIONS,
-    NAMESPACES,
-    And,
-    Compare,
-    InList,
-    IsNull,
-    Like,
-    Lineage,
-    Node,
-    Not,
-    Or,
-    Value,
-    _exact_number,
-    _iso_to_unix,
-    _Leaf,
-    _parse_number,
-)
+from . import syntax as S
 
 
 @dataclass(frozen=True)
@@ -89,7 +70,7 @@ def _next_token(text: str, pos: int) -> _Token:
     ident = _IDENT_RE.match(text, pos)
     if ident:
         word = ident.group()
-        if word.lower() in _KEYWORDS:
+        if word.lower() in S._KEYWORDS:
             return _Token("KW", word, word.lower(), pos)
         return _Token("IDENT", word, word, pos)
     raise QueryError(f"unexpected character {char!r}", text, pos)
@@ -147,7 +128,7 @@ def _lex_quoted_name(text: str, start: int) -> _Token:
 
 
 def _field_list() -> str:
-    return ", ".join(sorted(BARE_FIELDS)) + ", " + ", ".join(f"{ns}.<name>" for ns in NAMESPACES)
+    return ", ".join(sorted(S.BARE_FIELDS)) + ", " + ", ".join(f"{ns}.<name>" for ns in S.NAMESPACES)
 
 
 class _Parser:
@@ -187,9 +168,9 @@ class _Parser:
         return self.advance()
 
     # grammar ---------------------------------------------------------------
-    def parse_query(self) -> tuple[Node | None, list[tuple[str, bool]], int | None]:
+    def parse_query(self) -> tuple[S.Node | None, list[tuple[str, bool]], int | None]:
         """(filter, sort keys, limit) of the whole query."""
-        where: Node | None = None
+        where: S.Node | None = None
         if self.tok.kind != "EOF" and not self.at_kw("order", "limit"):
             where = self.parse_or()
         if self.tok.kind != "EOF" and not self.at_kw("order", "limit"):
@@ -200,36 +181,36 @@ class _Parser:
             raise self.fail(f"expected end of query, found {self.tok.describe()}")
         return where, order_by, limit
 
-    def parse_or(self) -> Node:
+    def parse_or(self) -> S.Node:
         operands = [self.parse_and()]
         while self.at_kw("or"):
             self.advance()
             operands.append(self.parse_and())
-        return operands[0] if len(operands) == 1 else Or(tuple(operands))
+        return operands[0] if len(operands) == 1 else S.Or(tuple(operands))
 
-    def parse_and(self) -> Node:
+    def parse_and(self) -> S.Node:
         operands = [self.parse_not()]
         while self.at_kw("and"):
             self.advance()
             operands.append(self.parse_not())
-        return operands[0] if len(operands) == 1 else And(tuple(operands))
+        return operands[0] if len(operands) == 1 else S.And(tuple(operands))
 
-    def parse_not(self) -> Node:
+    def parse_not(self) -> S.Node:
         if self.at_kw("not"):
             self.advance()
-            return Not(self.parse_not())
+            return S.Not(self.parse_not())
         if self.tok.kind == "LPAREN":
             self.advance()
             inner = self.parse_or()
             self.expect("RPAREN", "')'")
             return inner
-        if self.tok.kind == "IDENT" and self.tok.value.lower() in LINEAGE_FUNCTIONS:
+        if self.tok.kind == "IDENT" and self.tok.value.lower() in S.LINEAGE_FUNCTIONS:
             return self.parse_lineage()
         if self.tok.kind in ("IDENT", "QIDENT"):
             return self.parse_predicate()
         raise self.fail(f"expected a condition (a field, 'not', '(' or ancestor_of(...)), found {self.tok.describe()}")
 
-    def parse_lineage(self) -> Lineage:
+    def parse_lineage(self) -> S.Lineage:
         name = self.advance()
         kind = name.value.lower()
         self.expect("LPAREN", f"'(' after '{name.text}'")
@@ -238,15 +219,15 @@ class _Parser:
             raise self.fail(f"expected a quoted ref inside {kind}(), e.g. {kind}('main'), found {ref.describe()}")
         self.advance()
         self.expect("RPAREN", "')'")
-        return Lineage(kind, ref.value, name.offset)
+        return S.Lineage(kind, ref.value, name.offset)
 
-    def parse_predicate(self) -> _Leaf:
+    def parse_predicate(self) -> S._Leaf:
         start = self.tok
         name = self.parse_field()
         if self.tok.kind == "OP":
             op = self.advance()
             value = self.parse_value(f"after '{op.text}'", name)
-            return Compare(name, op.value, value, start.offset)
+            return S.Compare(name, op.value, value, start.offset)
         negated = self.at_kw("not")
         if negated:
             self.advance()
@@ -254,18 +235,18 @@ class _Parser:
                 raise self.fail(f"expected 'in' or 'like' after 'not', found {self.tok.describe()}")
         if self.at_kw("in"):
             self.advance()
-            return InList(name, self.parse_value_list(name), negated, start.offset)
+            return S.InList(name, self.parse_value_list(name), negated, start.offset)
         if self.at_kw("like"):
             self.advance()
             pattern = self.expect("STRING", "a quoted pattern after 'like'")
-            return Like(name, pattern.value, negated, start.offset)
+            return S.Like(name, pattern.value, negated, start.offset)
         if self.at_kw("is"):
             self.advance()
             is_not = self.at_kw("not")
             if is_not:
                 self.advance()
             self.expect_kw("null", "is not" if is_not else "is")
-            return IsNull(name, is_not, start.offset)
+            return S.IsNull(name, is_not, start.offset)
         raise self.fail(f"expected a comparison operator after '{start.text}', found {self.tok.describe()}")
 
     def parse_field(self) -> str:
@@ -273,17 +254,17 @@ class _Parser:
         token = self.advance()
         raw: str = token.value
         namespace, dot, rest = raw.partition(".")
-        if dot and namespace.lower() in NAMESPACES:
+        if dot and namespace.lower() in S.NAMESPACES:
             if not rest:
                 raise self.fail(f"expected a name after '{raw}', e.g. {namespace.lower()}.lr", token)
             return f"{namespace.lower()}.{rest}"
-        if not dot and raw.lower() in BARE_FIELDS:
+        if not dot and raw.lower() in S.BARE_FIELDS:
             return raw.lower()
-        if not dot and raw.lower() in NAMESPACES:
+        if not dot and raw.lower() in S.NAMESPACES:
             raise self.fail(f"'{raw}' needs a name: write {raw.lower()}.<name>", token)
         raise self.fail(_unknown_field_message(raw), token)
 
-    def parse_value(self, where: str, field_name: str) -> Value:
+    def parse_value(self, where: str, field_name: str) -> S.Value:
         token = self.tok
         if token.kind == "KW" and token.value == "null":
             raise self.fail("null can only be tested with 'is null' or 'is not null'")
@@ -292,7 +273,7 @@ class _Parser:
             return token.value == "true"
         if token.kind == "NUMBER":
             self.advance()
-            return _exact_number(token.value)
+            return S._exact_number(token.value)
         if token.kind == "STRING":
             self.advance()
             if field_name == "created":
@@ -300,7 +281,7 @@ class _Parser:
             return str(token.value)
         raise self.fail(f"expected a value {where}, found {token.describe()}")
 
-    def parse_value_list(self, field_name: str) -> tuple[Value, ...]:
+    def parse_value_list(self, field_name: str) -> tuple[S.Value, ...]:
         self.expect("LPAREN", "'(' after 'in'")
         values = [self.parse_value("in the list", field_name)]
         while self.tok.kind == "COMMA":
@@ -311,9 +292,9 @@ class _Parser:
 
     def created_seconds(self, token: _Token) -> float:
         """A string compared with `created`: a number, or an ISO date/datetime (naive = UTC)."""
-        seconds = _parse_number(token.value)
+        seconds = S._parse_number(token.value)
         if seconds is None:
-            seconds = _iso_to_unix(token.value)
+            seconds = S._iso_to_unix(token.value)
         if seconds is None:
             raise self.fail(
                 f"expected an ISO date like '2026-11-01' or '2026-11-01T10:00:00' for 'created', "
@@ -360,10 +341,10 @@ def _unknown_field_message(raw: str) -> str:
     """'unknown field ...' with the list of fields and, when one is close, a suggestion."""
     namespace, dot, rest = raw.partition(".")
     if dot:
-        close = difflib.get_close_matches(namespace.lower(), NAMESPACES, n=1)
+        close = difflib.get_close_matches(namespace.lower(), S.NAMESPACES, n=1)
         guess = f"{close[0]}.{rest}" if close else ""
     else:
-        close = difflib.get_close_matches(raw.lower(), sorted(BARE_FIELDS), n=1)
+        close = difflib.get_close_matches(raw.lower(), sorted(S.BARE_FIELDS), n=1)
         guess = close[0] if close else ""
     hint = f"; did you mean '{guess}'?" if guess else ""
     return f"unknown field '{raw}' (fields: {_field_list()}){hint}"
