@@ -150,3 +150,19 @@ def test_the_token_never_appears_in_the_server_log(srv: ServerProc) -> None:
     httpx.post(srv.api + "/tags", json={"name": "logcheck", "ref": "main"}, headers=AUTH)
     httpx.post(srv.api + "/tags", json={"name": "logcheck2"}, headers={"Authorization": "Bearer " + TOKEN[:-1]})
     assert srv.log and not any(TOKEN in line or TOKEN[:-1] in line for line in srv.log)
+
+
+def test_cors_is_off_by_default_and_allows_only_the_given_origin(store_path: Path, tmp_path: Path) -> None:
+    origin = "https://dash.example"
+    with ServerProc(store_path) as plain:
+        r = httpx.get(plain.api + "/versions/main", headers={"Origin": origin})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    with ServerProc(store_path, cors_origin=origin) as srv:
+        ok = httpx.get(srv.api + "/versions/main", headers={"Origin": origin})
+        assert ok.headers.get("access-control-allow-origin") == origin
+        other = httpx.get(srv.api + "/versions/main", headers={"Origin": "https://evil.example"})
+        assert "access-control-allow-origin" not in other.headers
+        pre = httpx.options(srv.api + "/branches", headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "Authorization"})
+        assert pre.status_code == 200 and pre.headers.get("access-control-allow-origin") == origin
