@@ -19,12 +19,11 @@ import logging
 import os
 import threading
 import time
-import weakref
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -48,34 +47,38 @@ from .meta.graph import CatalogGraph
 from .meta.refs import RefStore
 from .meta.versions import Version, decode_record
 from .objects.tier import Tier
-from .query import table
-from .query.compare import diff, history, history_values
-from .query.lineage import ancestors, descendants, merge_base, paths
-from .query.table import find
+from .query.facade import Queries
 from .repo import reader
 from .repo.opening import open_repository
 from .repo.repository import Repository
-from .save.buffers import BufferPool
+from .save.buffers import BufferPool, default_pool_bytes
 from .save.collective import make_visible_collective
 from .save.commit import Staged, make_fork_visible, make_staged_visible, make_visible, stage
 from .save.job import SaveHandle, SaveJob
 from .save.manifest import Manifest, TensorInfo
 from .save.pipeline import Pipeline
 from .save.request import fork_record, save_request
-from .save.saver import Saver
+from .save.saver import Saver, at_exit
 
 log = logging.getLogger("datastates")
 
 
-def _default_pool_bytes() -> int:
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        total = 8 << 30
-    return max(256 << 20, total // 4)
+T = TypeVar("T")
 
 
-class Store:
+class _Part(Generic[T]):
+    """A part of the repository seen on the facade, read-only: `Store.catalog` is `store.repo.catalog`."""
+
+    def __init__(self, name: str, doc: str = "") -> None:
+        self.name, self.__doc__ = name, doc or f"The repository's {name}."
+
+    def __get__(self, store: Store | None, owner: type | None = None) -> T:
+        if store is None:  # on the class (help(), docs): the descriptor itself
+            return self  # type: ignore[return-value]
+        return getattr(store.repo, self.name)  # type: ignore[no-any-return]
+
+
+class Store(Queries):
     """A versioned model-state store rooted at a directory. Use `Store.open`."""
 
     def __init__(self, repo: Repository, *, pool_bytes: int, zstd_level: int, workers: int) -> None:
@@ -94,21 +97,7 @@ class Store:
                             chunk_size=repo.chunk_size, pool_bytes=pool_bytes, workers=workers,
                             zstd_level=zstd_level, on_error=self._record_error)
         self._readers = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="datastates-read")
-        ref = weakref.ref(self)
-
-        def drain() -> None:
-            s = ref()
-            if s is not None:
-                s._drain_at_exit()
-
-        self._atexit = drain
-        # threading's exit hooks run before concurrent.futures stops its executors (and before
-        # atexit), so saves still in flight can use the hash workers to finish.
-        register = getattr(threading, "_register_atexit", None)
-        if register is not None:
-            register(drain)
-        else:
-            atexit.register(drain)
+        self._atexit = at_exit(self, Store._drain_at_exit)
 
     # opening -------------------------------------------------------------------
     @classmethod
@@ -142,7 +131,7 @@ class Store:
             raise InvalidArgumentError(f"workers {workers} must be 1 or more")
         repo, rebuild, cold_ok = open_repository(path, create=create, chunk_size=chunk_size, verify=verify, hot=hot,
                                                  hot_capacity=hot_capacity, flush=flush, promote=promote)
-        store = cls(repo, pool_bytes=pool_bytes or _default_pool_bytes(), zstd_level=zstd_level, workers=workers)
+        store = cls(repo, pool_bytes=pool_bytes or default_pool_bytes(), zstd_level=zstd_level, workers=workers)
         if rebuild:
             from .maintenance.fsck import rebuild_catalog
 
@@ -166,44 +155,18 @@ class Store:
         self.close(raise_errors=exc[0] is None)
 
     # the parts ---------------------------------------------------------------------
-    @property
-    def path(self) -> Path:
-        """The store directory the user opened (the cold tier when there are two)."""
-        return self.repo.root
-
-    @property
-    def root(self) -> Path:
-        return self.repo.root
-
-    @property
-    def catalog(self) -> Catalog:
-        return self.repo.catalog
-
-    @property
-    def tier(self) -> Tier:
-        """The tier saves write to (the hot tier when there are two)."""
-        return self.repo.hot
-
-    @property
-    def hot(self) -> Tier:
-        return self.repo.hot
-
-    @property
-    def cold(self) -> Tier | None:
-        return self.repo.cold
-
-    @property
-    def tiers(self) -> list[Tier]:
-        return self.repo.tiers
-
-    @property
-    def tiering(self) -> TierConfig:
-        return self.repo.tiering
-
-    @property
-    def refs(self) -> RefStore:
-        """Branches and tags (on the hot tier when there are two)."""
-        return self.repo.refs
+    path: _Part[Path] = _Part("root", "The store directory the user opened (the cold tier when there are two).")
+    root: _Part[Path] = _Part("root")
+    catalog: _Part[Catalog] = _Part("catalog")
+    tier: _Part[Tier] = _Part("hot", "The tier saves write to (the hot tier when there are two).")
+    hot: _Part[Tier] = _Part("hot")
+    cold: _Part[Tier | None] = _Part("cold")
+    tiers: _Part[list[Tier]] = _Part("tiers")
+    tiering: _Part[TierConfig] = _Part("tiering")
+    refs: _Part[RefStore] = _Part("refs", "Branches and tags (on the hot tier when there are two).")
+    chunk_size: _Part[int] = _Part("chunk_size")
+    verify: _Part[bool] = _Part("verify")
+    graph: _Part[CatalogGraph] = _Part("graph")
 
     @property
     def pool(self) -> BufferPool:
@@ -213,18 +176,6 @@ class Store:
     @property
     def pipeline(self) -> Pipeline:
         return self._saver.pipeline
-
-    @property
-    def chunk_size(self) -> int:
-        return self.repo.chunk_size
-
-    @property
-    def verify(self) -> bool:
-        return self.repo.verify
-
-    @property
-    def graph(self) -> CatalogGraph:
-        return self.repo.graph
 
     def _invalidate(self) -> None:
         self._table = None
@@ -457,59 +408,6 @@ class Store:
 
     def reflog(self, name: str, kind: str = "branch") -> list[dict[str, object]]:
         return self.refs.reflog(kind, name)  # type: ignore[arg-type]
-
-    # walking and asking -----------------------------------------------------------
-    def log(self, ref: Any = "main", *, first_parent: bool = False, limit: int | None = None) -> list[Version]:
-        """`ref` and its ancestors, newest first (like `git log`)."""
-        start = self.resolve(ref)
-        ids = [start] + ancestors(self.graph, start, first_parent=first_parent)
-        if limit is not None:
-            ids = ids[:limit]
-        return [self.version(v) for v in ids]
-
-    def ancestors(self, ref: Any, *, depth: int | None = None, first_parent: bool = False) -> list[str]:
-        """Ids of the versions `ref` descends from, newest first (without `ref` itself)."""
-        return ancestors(self.graph, self.resolve(ref), depth=depth, first_parent=first_parent)
-
-    def descendants(self, ref: Any, *, depth: int | None = None) -> list[str]:
-        """Ids of the versions grown from `ref`, across branches, oldest first."""
-        return descendants(self.graph, self.resolve(ref), depth=depth)
-
-    def merge_base(self, a: Any, b: Any) -> str | None:
-        """The nearest common ancestor of two versions (None if they share none)."""
-        return merge_base(self.graph, self.resolve(a), self.resolve(b))
-
-    def paths(self, src: Any, dst: Any, *, limit: int = 100) -> list[list[str]]:
-        """The lineage paths from `src` down to `dst` (lists of ids)."""
-        return paths(self.graph, self.resolve(src), self.resolve(dst), limit=limit)
-
-    def versions_table(self) -> Any:
-        """Every version as a pyarrow Table: fixed fields plus hparams.*, metrics.*, annotations.* columns."""
-        key = (self.catalog.generation(), tuple(sorted(self.tags().items())))
-        if self._table is None or self._table[0] != key:
-            self._table = (key, table.build(self.repo))
-        return self._table[1]
-
-    def find(self, query: str = "", *, as_table: bool = False, allow_missing: bool = False) -> Any:
-        """Versions matching a query such as "hparams.lr > 1e-3 and metrics.loss < 0.5 order by step".
-
-        Returns Versions (or the matching rows as a pyarrow Table). Raises QueryError with the offset,
-        also for a field no version has (a typo: the message lists close matches) unless
-        `allow_missing`, which reads such a field as null.
-        """
-        rows = find(self.repo, self.versions_table(), query, allow_missing=allow_missing)
-        if as_table:
-            return rows
-        return [self.version(v) for v in rows.column("id").to_pylist()]
-
-    def diff(self, a: Any, b: Any, *, keys: list[str] | None = None) -> Any:
-        """A pyarrow Table, one row per tensor key; see `datastates.query.compare.diff`."""
-        return diff(self.repo, a, b, keys)
-
-    def history(self, key: str, ref: Any = "main", *, values: bool = False) -> Any:
-        """A tensor's stats across the first-parent chain of `ref` (Table), or with values=True
-        an iterator of (Version, tensor) loading one at a time."""
-        return history_values(self.repo, key, ref) if values else history(self.repo, key, ref)
 
     def fork(self, ref: Any, *, branch: str | None, parents: Sequence[Any] | None = None,
              hparams: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,

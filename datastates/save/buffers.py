@@ -6,6 +6,7 @@ pages is ~10x slower than copying into pages already in use.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -82,3 +83,12 @@ class BufferPool:
     @property
     def allocated_bytes(self) -> int:
         return self._allocated * self.slot_bytes
+
+
+def default_pool_bytes() -> int:
+    """The staging pool a store gets unless told otherwise: a quarter of RAM, at least 256 MiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        total = 8 << 30
+    return max(256 << 20, total // 4)

@@ -7,6 +7,7 @@ waits for) and hands it to the pipeline, whose last stage calls the store's comm
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -127,3 +128,24 @@ class Saver:
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream()
         return self._cuda_stream
+
+
+def at_exit(owner: Any, method: Callable[[Any], None]) -> Callable[[], None]:
+    """Run `method(owner)` when the process exits, if `owner` is still alive then (a weak reference:
+    this keeps nothing alive). Returns the hook, for `atexit.unregister`.
+
+    Registered with threading's exit hooks, which run before concurrent.futures stops its executors
+    (and before atexit), so saves still in flight can use the hash workers to finish."""
+    ref = weakref.ref(owner)
+
+    def drain() -> None:
+        obj = ref()
+        if obj is not None:
+            method(obj)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:
+        register(drain)
+    else:
+        atexit.register(drain)
+    return drain
