@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import torch
 
-from ..errors import NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError
 from ..objects.chunks import spans
 from ..repo.reader import load
 from ..repo.repository import Repository, as_repository
 from ..save.manifest import Manifest
-from ..save.tree import dtype_from_name
+from ..save.tree import dtype_from_name, key_patterns
 from .lineage import ancestors
 
 if TYPE_CHECKING:
@@ -73,8 +73,7 @@ def diff(store: Repository, a: Any, b: Any, keys: list[str] | None = None) -> pa
     store = as_repository(store)
     va, vb = store.version(a), store.version(b)
     ma, mb = store.manifest_of(va), store.manifest_of(vb)
-    if isinstance(keys, str):  # one glob, not its characters
-        keys = [keys]
+    keys = key_patterns(keys)
     ra, rb = _rows(ma, keys), _rows(mb, keys)
     for k in keys or []:  # a key that selects nothing in either version is a typo, not "no change"
         if not _rows(ma, [k]) and not _rows(mb, [k]):
@@ -231,6 +230,8 @@ def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
     would otherwise read as an empty history).
     """
     store = as_repository(store)
+    if not isinstance(key, str) or not key:
+        raise InvalidArgumentError(f"key={key!r} is not a key path; give one such as 'model.fc.weight'")
     rows: list[dict[str, Any]] = []
     prev: dict[str, Any] | None = None
     prev_chunks: list[bytes] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -125,7 +126,10 @@ def _parse_number(text: str) -> float | None:
 def _exact_number(value: int | float) -> int | float:
     """Ints that do not fit in int64 become floats, so Arrow can hold them."""
     if isinstance(value, int) and abs(value) > _INT64_MAX:
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # beyond any float: compares like infinity, as 1e999 does
+            return math.inf if value > 0 else -math.inf
     return value
 
 

@@ -22,7 +22,7 @@ from ..errors import (
 from ..meta.versions import Version
 from ..save.collective import matches
 from ..save.manifest import Manifest
-from ..save.tree import SKIP, dtype_from_name, unflatten
+from ..save.tree import SKIP, dtype_from_name, key_patterns, unflatten
 from .repository import Repository
 
 ALIASES = {"optimizer": ("optim", "opt"), "optim": ("optimizer", "opt"), "scheduler": ("lr_scheduler", "sched"),
@@ -43,7 +43,7 @@ def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, devic
     m = repo.manifest_of(v, rank)
     select = None
     if keys is not None:
-        select = _key_selector([keys] if isinstance(keys, str) else list(keys), _tree_paths(m.tree), v)
+        select = _key_selector(key_patterns(keys) or [], _tree_paths(m.tree), v)
     rows = m.rows
     wanted: dict[int, None] = {}  # an ordered set: bases before the rows that point at them
 
@@ -85,7 +85,7 @@ def rank_for(v: Version, comm: Comm, keys: Iterable[str] | str | None) -> tuple[
                                    f"and this job has {comm.size}; {hint}")
     if keys is None:
         return 0, list(v.replicated)
-    wanted = [keys] if isinstance(keys, str) else list(keys)
+    wanted = key_patterns(keys) or []
     sharded = [k for k in wanted if not matches(k, v.replicated)]
     if sharded:
         raise InvalidArgumentError(f"keys {sharded} of version {v.short} are not replicated (saved by "

@@ -25,7 +25,7 @@ def save_request(resolve: Resolve, *, branch: str | None, parents: Sequence[Any]
         check_name(branch, "branch")
     return {
         "branch": branch,
-        "parents": None if parents is None else [resolve(p) for p in parents],
+        "parents": None if parents is None else [resolve(p) for p in parent_list(parents)],
         "step": whole_number(step, "step"),
         "epoch": whole_number(epoch, "epoch"),
         "hparams": plain_json(hparams, "hparams"),
@@ -43,7 +43,7 @@ def fork_record(src: Version, resolve: Resolve, *, branch: str | None, parents: 
     if branch is not None:
         check_name(branch, "branch")
     return record_dict(
-        parents=[resolve(p) for p in parents] if parents is not None else [src.id],
+        parents=[resolve(p) for p in parent_list(parents)] if parents is not None else [src.id],
         manifests=src.manifests, step=src.step if step is None else whole_number(step, "step"), epoch=src.epoch,
         created=time.time(), hparams=plain_json(src.hparams if hparams is None else hparams, "hparams"),
         metrics=plain_json(metrics, "metrics", numbers_only=True), message=check_text(message, "message"),
@@ -52,6 +52,15 @@ def fork_record(src: Version, resolve: Resolve, *, branch: str | None, parents: 
         fork_of=None if fork_of is None else resolve(fork_of),
         explore=None if explore is None else plain_json(explore, "explore"),
     )
+
+
+def parent_list(parents: Any) -> list[Any]:
+    """`parents` as a list of refs. Raises InvalidArgumentError for one str (its characters are not refs)
+    or anything that is not a list or tuple."""
+    if not isinstance(parents, (list, tuple)):
+        raise InvalidArgumentError(f"parents={parents!r} is a {type(parents).__name__}; give a list of refs, "
+                                   "e.g. parents=['main', 'lr-high']")
+    return list(parents)
 
 
 def whole_number(value: Any, what: str) -> int | None:

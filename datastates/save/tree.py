@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import UnsupportedValueError
+from ..errors import InvalidArgumentError, UnsupportedValueError
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -84,6 +84,29 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+MAX_DEPTH = 200
+"""Deepest nesting of containers a state may have (real training states nest a few levels)."""
+
+
+def key_patterns(keys: Any, what: str = "keys") -> list[str] | None:
+    """`keys` as a list of key paths or globs: None stays None, one str is one pattern. Raises
+    InvalidArgumentError for anything else (an int, a list holding a non-str or an empty str)."""
+    if keys is None:
+        return None
+    if isinstance(keys, str):
+        keys = [keys]
+    try:
+        out = list(keys)
+    except TypeError:
+        raise InvalidArgumentError(f"{what}={keys!r} is a {type(keys).__name__}; give a key path or a list of "
+                                   "them, e.g. ['model.fc.weight', 'optim.*']") from None
+    for k in out:
+        if not isinstance(k, str) or not k:
+            raise InvalidArgumentError(f"{what} holds {k!r}; each must be a non-empty key path such as "
+                                       "'model.fc.weight' (a glob like 'model.*' works too)")
+    return out
+
+
 def _check_tensor(t: torch.Tensor, path: str) -> None:
     if t.is_nested:
         raise UnsupportedValueError(f"{path} is a nested tensor ({t.layout}); save its parts instead, "
@@ -112,7 +135,10 @@ class Flattener:
         self._assign_rows()
         return tree
 
-    def _node(self, v: Any, path: str) -> dict[str, Any]:
+    def _node(self, v: Any, path: str, depth: int = 0) -> dict[str, Any]:
+        if depth > MAX_DEPTH:  # refused before Python's recursion limit would end the save untyped
+            raise UnsupportedValueError(f"the state nests containers deeper than {MAX_DEPTH} levels (at "
+                                        f"{path[:80]}...); flatten it, e.g. into a dict of key paths")
         if isinstance(v, torch.Tensor):
             _check_tensor(v, path or "<state>")
             if path in self._paths:
@@ -147,14 +173,14 @@ class Flattener:
             return {"t": "npscalar", "dtype": v.dtype.str, "v": base64.b64encode(v.tobytes()).decode()}
         if isinstance(v, dict) and type(v) in (dict, OrderedDict):
             keys = [_key_json(k, path) for k in v]
-            vals = [self._node(x, f"{path}.{k}" if path else str(k)) for k, x in v.items()]
+            vals = [self._node(x, f"{path}.{k}" if path else str(k), depth + 1) for k, x in v.items()]
             return {"t": "odict" if type(v) is OrderedDict else "dict", "k": keys, "v": vals}
         if type(v) in (list, tuple):
-            vals = [self._node(x, f"{path}.{i}" if path else str(i)) for i, x in enumerate(v)]
+            vals = [self._node(x, f"{path}.{i}" if path else str(i), depth + 1) for i, x in enumerate(v)]
             return {"t": type(v).__name__, "v": vals}
         sd = getattr(v, "state_dict", None)
         if callable(sd) and not isinstance(v, type):
-            node = self._node(sd(), path)
+            node = self._node(sd(), path, depth + 1)
             return {**node, "from": f"{type(v).__module__}.{type(v).__qualname__}"}
         if self.allow_pickle:
             try:
