@@ -83,7 +83,9 @@ def crash_cycles(zygote: Zygote, path: Path, seed: int, kills: int, max_delay: f
     for cycle in range(kills):
         pid = zygote.start("crash", str(path), str(seed), str(cycle * 100_000))
         zygote.lines.wait(lambda pid=pid: zygote.lines.of(pid, "READY"), 60, f"READY from saver {pid}")
-        time.sleep(rng.uniform(0.0, max_delay))
+        if cycle == 0:  # at least one kill lands in a running save loop, however slow the machine
+            zygote.lines.wait(lambda pid=pid: zygote.lines.of(pid, "COMMITTED"), 120, f"a commit from saver {pid}")
+        time.sleep(rng.uniform(0.0, max_delay))  # a random offset after the event, not a wait on luck
         status = zygote.kill(pid)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"saver ended by itself: {status}"
         new = [(x[1], int(x[2])) for x in zygote.lines.of(pid, "COMMITTED")]

@@ -9,8 +9,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -258,10 +260,27 @@ def _kill_loop(tmp_path: Path, kills: int, seed: int) -> None:
     for _ in range(kills):
         p = subprocess.Popen([sys.executable, str(HELPER), str(cold), str(hot), str(step)],
                              stdout=subprocess.PIPE, text=True)
-        time.sleep(rng.uniform(1.0, 2.5))
+        assert p.stdout is not None
+        lines: list[str] = []
+        first = threading.Event()
+
+        def read(out: Any = p.stdout, lines: list[str] = lines, first: threading.Event = first) -> None:
+            for line in out:
+                lines.append(line)
+                first.set()
+            first.set()  # the child ended: stop waiting
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        # Kill only after the child's first committed version (its start-up alone takes seconds on a busy
+        # machine), at a random offset within the next saves and flushes.
+        assert first.wait(180), "the saver never committed a version"
+        time.sleep(rng.uniform(0.0, 0.8))  # the random offset after the event under test
         p.send_signal(signal.SIGKILL)
-        out, _ = p.communicate()
-        for line in out.splitlines():
+        p.wait()
+        reader.join(30)
+        assert p.returncode == -signal.SIGKILL, f"the saver ended by itself: {p.returncode}"
+        for line in lines:
             if line.startswith("COMMITTED "):
                 _, vid, st = line.split()
                 committed[vid] = int(st)
