@@ -148,7 +148,7 @@ def commitfail(store_path: str, mode: str) -> None:
 
     def attempt(word: str, state: dict[str, object], branch: str) -> str | None:
         try:
-            v = store.save_async(state, branch=branch).result(timeout=3)
+            v = store.save_async(state, branch=branch).result(timeout=60)  # a hang detector, not a speed test
             say(f"{word} ok {v.id}")
             return v.id
         except TimeoutError:
