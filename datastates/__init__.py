@@ -10,6 +10,7 @@ from __future__ import annotations
 from .base.config import Flush
 from .errors import (
     AmbiguousRefError,
+    CommTimeoutError,
     ConflictError,
     DataStatesError,
     DeviceError,
@@ -45,7 +46,8 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
-    "AmbiguousRefError", "ConflictError", "DataStatesError", "DeviceError", "Flush", "IntegrityError",
+    "AmbiguousRefError", "CommTimeoutError", "ConflictError", "DataStatesError", "DeviceError", "Flush",
+    "IntegrityError",
     "InvalidArgumentError", "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "RemoteStore",
     "SaveFailedError",
     "SaveHandle", "ShapeMismatchError", "StorageFullError", "Store", "StoreClosedError", "StoreFormatError",

@@ -69,6 +69,12 @@ class SaveFailedError(DataStatesError):
     """A background save failed; the cause is chained as __cause__."""
 
 
+class CommTimeoutError(SaveFailedError):
+    """A collective of a distributed save waited longer than the store's comm timeout for the other
+    ranks (a rank hung or died without the launcher ending the job). Nothing of that save is visible;
+    the communicator is unusable afterwards: end the job (the launcher restarts it)."""
+
+
 class ShapeMismatchError(DataStatesError, ValueError):
     """A stored tensor does not match the dtype or shape it is loaded into."""
 

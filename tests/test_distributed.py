@@ -43,12 +43,13 @@ def _read(out: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines()]
 
 
-def mpirun(n: int, store: Path, mode: str, check: bool = True) -> tuple[int, list[dict[str, Any]]]:
+def mpirun(n: int, store: Path, mode: str, check: bool = True,
+           env: dict[str, str] | None = None) -> tuple[int, list[dict[str, Any]]]:
     """Run the job on n ranks; (mpiexec's exit status, every rank's results)."""
     out = _outdir(store)
     proc = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, str(JOB), "mpi", str(store), mode],
                           capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
-                          env={**os.environ, "DIST_OUT": str(out)})
+                          env={**os.environ, "DIST_OUT": str(out), **(env or {})})
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     return proc.returncode, _read(out)
@@ -133,6 +134,18 @@ def test_mpi_replicated_entries_that_differ_across_ranks_are_refused_on_every_ra
     _, out = mpirun(2, tmp_path / "store", "mismatch")
     assert sorted(r["rank"] for r in out) == [0, 1]
     assert all(r["outcome"] == "InvalidArgumentError" and r["versions"] == 0 for r in out)
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_a_rank_that_never_arrives_ends_in_a_comm_timeout_not_a_hang(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    status, out = mpirun(2, store, "hang", check=False, env={"DATASTATES_COMM_TIMEOUT": "5"})
+    assert status != 0  # rank 0 aborted the job after the timeout
+    assert out == [{"rank": 0, "outcome": "CommTimeoutError", "visible": 0}]
+    with ds.Store.open(store, create=False) as s:
+        assert s.find("") == [] and s.fsck().ok
 
 
 @mpi
@@ -242,3 +255,16 @@ def test_dcp_metadata_round_trips_through_json_without_pickle(tmp_path: Path) ->
         s.save({"x": torch.ones(1)}, branch="plain")
         with pytest.raises(ds.NotFoundError, match="torch.distributed.checkpoint"):
             StoreReader(s, "plain").read_metadata()
+
+
+def test_comm_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from datastates.base.comm import DEFAULT_TIMEOUT, comm_timeout
+
+    monkeypatch.delenv("DATASTATES_COMM_TIMEOUT", raising=False)
+    assert comm_timeout() == DEFAULT_TIMEOUT
+    monkeypatch.setenv("DATASTATES_COMM_TIMEOUT", "2.5")
+    assert comm_timeout() == 2.5
+    for bad in ("soon", "0", "-1"):
+        monkeypatch.setenv("DATASTATES_COMM_TIMEOUT", bad)
+        with pytest.raises(ds.InvalidArgumentError, match="DATASTATES_COMM_TIMEOUT"):
+            comm_timeout()

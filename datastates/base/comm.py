@@ -15,11 +15,34 @@ Creating one is collective: every rank must call `as_comm` in the same order.
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
+import time
 from typing import Any, Protocol
 
-from ..errors import InvalidArgumentError
+from ..errors import CommTimeoutError, InvalidArgumentError
+
+DEFAULT_TIMEOUT = 1800.0
+"""Seconds a collective waits for the other ranks before CommTimeoutError ($DATASTATES_COMM_TIMEOUT)."""
+
+
+def comm_timeout() -> float:
+    """The collective timeout: $DATASTATES_COMM_TIMEOUT seconds, else DEFAULT_TIMEOUT."""
+    raw = os.environ.get("DATASTATES_COMM_TIMEOUT")
+    try:
+        value = float(raw) if raw else DEFAULT_TIMEOUT
+    except ValueError:
+        raise InvalidArgumentError(f"DATASTATES_COMM_TIMEOUT={raw!r} is not a number of seconds") from None
+    if not value > 0:
+        raise InvalidArgumentError(f"DATASTATES_COMM_TIMEOUT={raw!r} must be positive")
+    return value
+
+
+def _timed_out(what: str, timeout: float) -> CommTimeoutError:
+    return CommTimeoutError(f"{what}: the other ranks did not arrive within {timeout:g} s (a rank hung or died); "
+                            "nothing of this save is visible. End the job and restart it from the last version; "
+                            "raise DATASTATES_COMM_TIMEOUT if saves are just slow")
 
 
 def node_name() -> str:
@@ -58,27 +81,48 @@ class SingleComm:
 
 
 class MpiComm:
-    """An mpi4py communicator (duplicated: our messages never match the caller's)."""
+    """An mpi4py communicator (duplicated: our messages never match the caller's).
 
-    def __init__(self, comm: Any) -> None:
+    Before each collective the ranks meet in a non-blocking barrier polled against a deadline, so a
+    rank that never arrives ends in CommTimeoutError instead of a hang; after that the communicator
+    is broken (its barrier is still pending) and every later collective raises at once."""
+
+    def __init__(self, comm: Any, timeout: float | None = None) -> None:
         self._comm = comm.Dup()
         self.rank, self.size, self.node = self._comm.Get_rank(), self._comm.Get_size(), node_name()
+        self.timeout = comm_timeout() if timeout is None else timeout
+        self._broken = False
+
+    def _arrive(self, what: str) -> None:
+        if self._broken:
+            raise _timed_out(f"{what} after an earlier timeout", self.timeout)
+        req = self._comm.Ibarrier()
+        deadline = time.monotonic() + self.timeout
+        pause = 1e-4
+        while not req.Test():
+            if time.monotonic() > deadline:
+                self._broken = True
+                raise _timed_out(what, self.timeout)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)  # quick when the ranks are close, cheap when one is late
 
     def allgather(self, obj: Any) -> list[Any]:
+        self._arrive("allgather")
         return list(self._comm.allgather(obj))
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
+        self._arrive("bcast")
         return self._comm.bcast(obj, root=root)
 
     def barrier(self) -> None:
-        self._comm.Barrier()
+        self._arrive("barrier")
 
 
 class TorchComm:
     """A torch.distributed process group; collectives go through a private gloo group (CPU objects,
     and safe beside NCCL collectives of the training loop on the default group)."""
 
-    def __init__(self, group: Any = None) -> None:
+    def __init__(self, group: Any = None, timeout: float | None = None) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -86,23 +130,34 @@ class TorchComm:
                                        "torch.distributed.init_process_group first, or pass comm=None")
         ranks = None if group is None else dist.get_process_group_ranks(group)
         self._dist = dist
-        self._group = dist.new_group(ranks=ranks, backend="gloo")
+        self.timeout = comm_timeout() if timeout is None else timeout
+        # gloo enforces the group's timeout itself: a collective a rank never joins raises.
+        self._group = dist.new_group(ranks=ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
         self.rank = dist.get_rank(self._group)
         self.size = dist.get_world_size(self._group)
         self.node = node_name()
 
+    def _call(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(*args, **kw)
+        except RuntimeError as exc:
+            if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise _timed_out(what, self.timeout) from exc
+            raise
+
     def allgather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size
-        self._dist.all_gather_object(out, obj, group=self._group)
+        self._call("allgather", self._dist.all_gather_object, out, obj, group=self._group)
         return out
 
     def bcast(self, obj: Any, root: int = 0) -> Any:
         box = [obj]
-        self._dist.broadcast_object_list(box, src=self._dist.get_global_rank(self._group, root), group=self._group)
+        self._call("bcast", self._dist.broadcast_object_list, box,
+                   src=self._dist.get_global_rank(self._group, root), group=self._group)
         return box[0]
 
     def barrier(self) -> None:
-        self._dist.barrier(group=self._group)
+        self._call("barrier", self._dist.barrier, group=self._group)
 
 
 def as_comm(comm: Any) -> Comm:

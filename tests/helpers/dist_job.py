@@ -8,6 +8,7 @@
              load   - load "main" and check what this world size can get, bit-exact; print JSON
              killed - rank 1 SIGKILLs itself just before its commit report (after its packs are sealed)
              mismatch - rank 1's replicated "model" has another shape: every rank must refuse the save
+             hang   - rank 1 never joins the save: rank 0 gets CommTimeoutError, then aborts the job
              failrank - rank 1's pack writes fail (OSError) in the first save: every rank must get
                         SaveFailedError, nothing visible; then a second save works on every rank
 
@@ -94,6 +95,22 @@ def main() -> None:
             outcome = type(exc).__name__
         report(rank, {"rank": rank, "outcome": outcome,
                                       "versions": len(store.find(""))})
+    elif mode == "hang":
+        # Rank 1 never joins the save (a hung rank): rank 0's collective times out ($DATASTATES_COMM_TIMEOUT)
+        # with CommTimeoutError, reports, and aborts the job as a training script would.
+        if rank == 1:
+            import threading
+
+            threading.Event().wait()  # forever: mpiexec ends this rank when rank 0 aborts
+        try:
+            store.save({**replicated_state(1), "shard": shard(rank, 1)}, step=1, replicated=["model", "optim"])
+            outcome = "saved"
+        except ds.DataStatesError as exc:
+            outcome = type(exc).__name__
+        report(rank, {"rank": rank, "outcome": outcome, "visible": len(store.find(""))})
+        from mpi4py import MPI
+
+        MPI.COMM_WORLD.Abort(3)
     elif mode == "failrank":
         from datastates.objects.packs import PackWriter
 
