@@ -49,6 +49,7 @@ def srv(store_path: Path) -> Iterator[ServerProc]:
 @pytest.fixture()
 def page(browser: Any, srv: ServerProc) -> Iterator[Any]:
     ctx = browser.new_context(viewport={"width": 1400, "height": 900})
+    ctx.set_default_timeout(120_000)  # a busy CI machine; every wait below ends on an event, not a time
     pg = ctx.new_page()
     pg.goto(srv.url + "/")
     yield pg
@@ -56,7 +57,7 @@ def page(browser: Any, srv: ServerProc) -> Iterator[Any]:
 
 
 def _wait_status(page: Any, text: str) -> None:
-    page.wait_for_function("t => document.getElementById('status').textContent === t", arg=text, timeout=30_000)
+    page.wait_for_function("t => document.getElementById('status').textContent === t", arg=text, timeout=120_000)
 
 
 def test_one_node_per_version_and_refs_shown(page: Any, store_path: Path, tmp_path: Path) -> None:
@@ -98,7 +99,7 @@ def test_two_selected_versions_show_their_diff(page: Any, store_path: Path) -> N
     page.locator(f".row[data-id='{b}']").click(modifiers=["Shift"])
     page.wait_for_function("t => document.querySelector('#diff h3') && document.querySelector('#diff h3')"
                            ".textContent.startsWith(t) && document.querySelector('#diff-table')",
-                           arg=f"diff {a[:10]}", timeout=30_000)
+                           arg=f"diff {a[:10]}", timeout=120_000)
     statuses = page.locator("#diff-table tbody tr").evaluate_all(
         "rows => rows.map(r => [r.dataset.key, r.children[1].textContent])")
     assert sorted(statuses) == sorted([r["key"], r["status"]] for r in want)
@@ -125,11 +126,12 @@ def test_thousands_of_versions_scroll_with_a_bounded_dom(browser: Any, tmp_path:
         ids = [s.save({"w": torch.full((2,), float(i))}, step=i, metrics={"loss": 1 / (i + 1)}).id for i in range(n)]
     with ServerProc(tmp_path / "big") as srv:
         ctx = browser.new_context(viewport={"width": 1200, "height": 800})
+        ctx.set_default_timeout(120_000)
         pg = ctx.new_page()
         pg.goto(srv.url + "/")
         _wait_status(pg, f"{n} versions")
         assert pg.locator(".row").count() < 120  # virtualized: only the rows near the viewport exist
         pg.evaluate("document.getElementById('scroller').scrollTop = 1e9")
-        pg.wait_for_selector(f".row[data-id='{ids[0]}']", timeout=30_000)  # the oldest, at the very bottom
+        pg.wait_for_selector(f".row[data-id='{ids[0]}']", timeout=120_000)  # the oldest, at the very bottom
         assert pg.locator(".row").count() < 120
         ctx.close()
