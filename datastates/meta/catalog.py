@@ -11,14 +11,15 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 import lmdb
 
-from ..errors import CatalogDamagedError
+from ..errors import CatalogDamagedError, IntegrityError
 from ..objects.chunks import ChunkLocation
 
 _LOC = struct.Struct("<16sQQQB")
@@ -122,6 +123,10 @@ class Catalog:
             self._db = _DB_HANDLES[key]
         self._key = key
         self.env = env
+        self.record_source: Callable[[str], bytes] | None = None
+        """Where a damaged catalog copy of a record is read again from: a function returning the
+        verified bytes of the record file (the repository sets it; it raises IntegrityError naming
+        the files when no copy is good)."""
 
     def close(self) -> None:
         with _OPEN_LOCK:
@@ -212,14 +217,55 @@ class Catalog:
             return self._generation(txn)
 
     def record(self, vid: str) -> bytes | None:
+        """The verified record bytes of an indexed version, None if it is not indexed.
+
+        Every read checks blake3(bytes) == id. A damaged catalog copy is read again from the record
+        files (`record_source`) and rewritten; IntegrityError if no copy is good."""
+        raw = self.raw_record(vid)
+        return None if raw is None else self._verified(vid, raw)
+
+    def raw_record(self, vid: str) -> bytes | None:
+        """The catalog's copy of a record as stored, unverified (fsck compares it)."""
         with self.env.begin(db=self._db["versions"]) as txn:
             raw = txn.get(bytes.fromhex(vid))
         return None if raw is None else bytes(raw)
 
     def records(self) -> Iterator[tuple[str, bytes]]:
+        """(id, verified record bytes) of every indexed version; damaged catalog copies are re-read
+        from the record files (after the others). Raises IntegrityError for one with no good copy."""
+        damaged: list[tuple[str, bytes]] = []
+        with self.env.begin(db=self._db["versions"]) as txn:
+            for k, v in txn.cursor():
+                vid, data = bytes(k).hex(), bytes(v)
+                if blake3.blake3(data).hexdigest() == vid:
+                    yield vid, data
+                else:
+                    damaged.append((vid, data))
+        for vid, data in damaged:  # outside the read transaction: repairing writes
+            yield vid, self._verified(vid, data)
+
+    def raw_records(self) -> Iterator[tuple[str, bytes]]:
+        """Every catalog copy as stored, unverified (fsck checks them)."""
         with self.env.begin(db=self._db["versions"]) as txn:
             for k, v in txn.cursor():
                 yield bytes(k).hex(), bytes(v)
+
+    def _verified(self, vid: str, raw: bytes) -> bytes:
+        if blake3.blake3(raw).hexdigest() == vid:
+            return raw
+        if self.record_source is None:
+            raise IntegrityError(f"the catalog's copy of version {vid[:12]} does not match its id; run "
+                                 "`datastates fsck --repair`")
+        good = self.record_source(vid)
+        self.put_record(vid, good)  # the catalog is a cache of verified records: mend it
+        return good
+
+    def put_record(self, vid: str, data: bytes) -> None:
+        """Replace the catalog's copy of an indexed record by `data`, which must hash to `vid`."""
+        if blake3.blake3(data).hexdigest() != vid:
+            raise IntegrityError(f"refusing to index record bytes that do not match version {vid[:12]}")
+        with self.env.begin(write=True) as txn:
+            txn.put(bytes.fromhex(vid), data, db=self._db["versions"])
 
     def version_count(self) -> int:
         with self.env.begin() as txn:
