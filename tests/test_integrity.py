@@ -12,6 +12,7 @@ import errno
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -248,19 +249,13 @@ def test_annotations_checksummed_damage_reported_and_old_files_read(tmp_path: Pa
     finally:
         s.close()
     ann.write_bytes(json.dumps({"note": "old style"}).encode())  # written before checksums
-    shutil_rmtree((cold / "catalog"))
+    shutil.rmtree(cold / "catalog")
     s = open_store(cold, hot)  # rebuilds the catalog from the files
     try:
         assert s.version(ids[0]).annotations == {"note": "old style"}
         assert s.fsck().ok
     finally:
         s.close()
-
-
-def shutil_rmtree(p: Path) -> None:
-    import shutil
-
-    shutil.rmtree(p)
 
 
 # 3. fsck changes nothing; repair never deletes ---------------------------------------------------
@@ -319,8 +314,12 @@ def invariant(tmp_path: Path, tiered: bool, kind: str, which: int) -> None:
     finally:
         s.close()
     now = {str(p) for r in roots(cold, hot) for p in r.rglob("*") if p.is_file()}
-    gone = {p for p in names - now if "/quarantine/" not in p and not p.endswith(".tmp")}
+    quarantined = {str(r / json.loads(line)["file"]) for r in roots(cold, hot)
+                   if (r / "quarantine" / "report.jsonl").exists()
+                   for line in (r / "quarantine" / "report.jsonl").read_text().splitlines()}
+    gone = {p for p in names - now if "/quarantine/" not in p and not p.endswith(".tmp")} - quarantined
     assert not gone, f"repair removed {gone} (damaged: {damaged})"
+    assert quarantined <= ({str(damaged)} if damaged else set())  # only the damaged file, if anything
     # Every version had an intact copy of each of its files (one tier's copy or the catalog's) except,
     # single tier, the one whose only file was flipped: those stay loadable.
     ok = loads(cold, hot, ids)
@@ -398,6 +397,10 @@ def test_failed_catalog_commit_leaves_nothing_visible(tmp_path: Path, tiered: bo
             s.save({"w": torch.ones(100)}, step=1)
         assert s.branches() == {}
         assert list(((hot or cold) / "versions").rglob("*.json")) == []
+    finally:
+        s.close(raise_errors=False)
+    s = ds.Store.open(cold, hot=hot)
+    try:
         v = s.save({"w": torch.zeros(100)}, step=2)
         rep = s.fsck()
         assert rep.ok, rep.problems

@@ -313,6 +313,8 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[se
             if mbad:
                 _mend(store, rep, repair, f"manifest {mid[:12]} of version {vid[:12]}", vid, mgood, mbad)
             if mgood is None:
+                if mbad:
+                    sure = False  # what the damaged manifest names is unknown: no pack may be called unused
                 if not pruned:
                     complete = False
                     if not mbad:
@@ -387,7 +389,12 @@ def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[s
     tier, cat = store.tier, store.catalog
     for mid in list(tier.iter_ids("manifests", "arrow")):
         if mid not in manifests_needed:
-            _orphan(rep, repair, tier.manifest_path(mid), f"manifest {mid[:12]} named by no version", tier.root)
+            path = tier.manifest_path(mid)
+            if repair:
+                _orphan(rep, repair, path, f"manifest {mid[:12]} named by no version", tier.root)
+            else:  # debris of a save that failed or was interrupted, not damage: no version lacks anything
+                rep.notes.append(f"manifest {mid[:12]} is named by no version (leftover of a failed or interrupted "
+                                 f"save): {path.relative_to(tier.root)}; `datastates fsck --repair` removes it")
     for pack in sorted(live - packs_needed):
         if _duplicates_only(store, pack):
             # Two writers stored the same new chunk; the catalog uses the other copy. Dead weight, not
