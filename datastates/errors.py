@@ -42,6 +42,10 @@ class StoreFormatError(DataStatesError):
     """The directory is not a store, or was written by a newer format."""
 
 
+class CatalogDamagedError(StoreFormatError):
+    """The LMDB catalog file is truncated or damaged; `datastates fsck --repair` rebuilds it from the records."""
+
+
 class InvalidNameError(DataStatesError, ValueError):
     """A branch, tag or key name breaks the naming rules."""
 

@@ -66,9 +66,16 @@ def load(root: Path) -> TierConfig | None:
     if not path.exists():
         return None
     try:
-        data: dict[str, Any] = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, OSError) as exc:
-        raise StoreFormatError(f"{path} is not valid TOML ({exc}); fix or delete it") from exc
+        data: dict[str, Any] = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise StoreFormatError(f"{path} is not UTF-8 text (byte {exc.start} is damaged); fix it, or delete it "
+                               "and open the store again with its tiers (Store.open(path, hot=...))") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise StoreFormatError(f"{path} is not valid TOML ({exc}); fix it, or delete it and open the store "
+                               "again with its tiers (Store.open(path, hot=...))") from exc
+    if not isinstance(data.get("tiers", {}), dict) or not isinstance(data.get("flush", {}), dict):
+        raise StoreFormatError(f"{path}: [tiers] and [flush] must be tables; fix it, or delete it and open "
+                               "the store again with its tiers (Store.open(path, hot=...))")
     tiers = data.get("tiers", {})
     flush = data.get("flush", {})
     return TierConfig(hot=tiers.get("hot"), hot_capacity=parse_size(tiers.get("hot_capacity")),

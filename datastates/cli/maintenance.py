@@ -8,8 +8,10 @@ import sys
 from typing import Any
 
 from ..base.config import human_bytes
+from ..errors import CatalogDamagedError
 from ..maintenance.gc import COLD_GRACE_S
 from ..maintenance.retention import Retention
+from ..repo.opening import quarantine_catalog
 from ..store import Store
 from .output import print_json
 
@@ -17,17 +19,57 @@ from .output import print_json
 def register(sub: Any) -> None:
     s = sub.add_parser("init", help="create a store")
     s.set_defaults(handler=_init, creates=True)
-    s = sub.add_parser("fsck", help="verify every chunk, manifest, record and ref")
-    s.add_argument("--repair", action="store_true", help="remove leftovers of interrupted saves")
-    s.add_argument("--rebuild", action="store_true", help="rebuild the catalog from the files")
+    s = sub.add_parser(
+        "fsck", help="verify every chunk, manifest, record, annotation and ref on every tier",
+        formatter_class=argparse.RawDescriptionHelpFormatter, description=FSCK_HELP)
+    s.add_argument("--repair", action="store_true",
+                   help="restore damaged copies from a good copy on another tier, move what cannot be "
+                        "restored to quarantine/, remove leftovers of interrupted saves; never deletes a version")
+    s.add_argument("--rebuild", action="store_true", help="rebuild the catalog from the version records")
     s.add_argument("--json", action="store_true")
-    s.set_defaults(handler=_fsck)
+    s.set_defaults(standalone=_fsck_standalone)
     _add_gc_prune(sub)
 
 
 def _init(store: Store, args: argparse.Namespace) -> int:
     print(f"store ready at {store.path}")
     return 0
+
+
+FSCK_HELP = """\
+Checks, on every tier (hot and cold), without changing anything:
+  version records   blake3 of the file == the version id; the catalog's copy likewise
+  manifests         blake3 of the file == the manifest id
+  packs             every chunk's blake3 == its id
+  annotations       the checksum stored in the file (files written before checksums: JSON only)
+  refs              each branch/tag file holds one version id, of a version that exists
+  catalog           the LMDB file is as long as its meta page says
+Each problem names the file and the tier that holds the damage.
+
+--repair only restores, never guesses: a damaged copy is rewritten from a copy on another tier
+whose hash matches; a damaged file with no good copy is moved to quarantine/ (a line in
+quarantine/report.jsonl says file, reason, time) and its version is marked damaged (loading it
+says so); versions are never removed. A truncated catalog is moved to quarantine/ and rebuilt
+from the records. Leftovers of interrupted saves (temp files, packs and manifests no version
+names) are removed."""
+
+
+def _fsck_standalone(args: argparse.Namespace) -> int:
+    if not getattr(args, "store", None):
+        print("datastates: no store given; pass --store PATH or set DATASTATES_STORE", file=sys.stderr)
+        return 2
+    try:
+        store = Store.open(args.store, create=False)
+    except CatalogDamagedError as exc:
+        if not args.repair:
+            raise
+        moved = quarantine_catalog(args.store)
+        print(f"repaired: {exc}; moved it to {moved} and rebuilt it from the version records")
+        store = Store.open(args.store, create=False)
+    try:
+        return _fsck(store, args)
+    finally:
+        store.close()
 
 
 def _fsck(store: Store, args: argparse.Namespace) -> int:

@@ -1,25 +1,31 @@
 """Checking and repairing a store: `datastates fsck [--repair] [--rebuild]`.
 
-fsck reads every pack, manifest, record and ref and reports what is wrong.
-`repair` removes debris of interrupted saves (temp files, packs and manifests
-no committed version names), indexes complete records the catalog missed and
-drops catalog entries whose files are gone. It never deletes a file that a
-committed version needs: a corrupt chunk is reported, not removed.
+fsck reads every copy, on every tier, of every pack, manifest, version record (and the catalog's
+copy of it), annotation file and ref, and reports what is wrong and on which tier. Without
+`repair` it changes nothing. `repair` only restores: a damaged copy is rewritten from an intact
+copy (one whose blake3 matches) on another tier or in the catalog; a damaged file with no intact
+copy is moved to `quarantine/` (report line in quarantine/report.jsonl) and its version is
+marked damaged; versions are never removed. It also removes debris of interrupted saves (temp
+files, packs and manifests no version names, only when every record could be read) and indexes
+complete records the catalog missed. A corrupt chunk is reported and its pack restored from
+another tier when one holds a good copy, never removed.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import blake3
 
-from ..base.files import copy_file, tmp_is_stale
+from ..base.files import copy_file, replace, tmp_is_stale, write_new
 from ..base.progress import progress
 from ..errors import DataStatesError, IntegrityError
 from ..meta.catalog import CommitBatch
+from ..meta.versions import decode_annotations, encode_annotations, readable
 from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import list_packs, read_index
 from ..repo.repository import Repository, as_repository
@@ -27,6 +33,8 @@ from ..save.manifest import Manifest
 
 if TYPE_CHECKING:
     from ..objects.tier import Tier
+
+log = logging.getLogger("datastates")
 
 
 @dataclass
@@ -87,9 +95,11 @@ def rebuild_catalog(store: Repository) -> int:
     for tier in reversed(store.tiers):  # hot last: its annotations are the newest
         for vid in tier.iter_ids("annotations", "json"):
             try:
-                cat.set_annotations(vid, json.loads(tier.annotation_path(vid).read_text()))
-            except (OSError, ValueError):
-                continue
+                cat.set_annotations(vid, decode_annotations(tier.annotation_path(vid).read_bytes()))
+            except (OSError, ValueError) as exc:
+                # never silently: fsck lists the file; an intact copy on the other tier (if any) is used
+                log.warning("annotations of version %s on tier %s %s; run `datastates fsck`", vid[:12],
+                            tier.name, exc)
     # A `<id>.pruned` marker beside a record (written by datastates.retention.prune) is the truth: without
     # it a rebuilt catalog would offer a pruned version whose bytes gc may already have freed.
     for tier in store.tiers:
@@ -110,13 +120,28 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
             rep.repaired.append(f"rebuilt the catalog from files: {n} versions")
         _check_leftovers(store, rep, repair)
         live_packs = _check_packs(store, rep, repair)
-        manifests_needed, packs_needed = _check_records(store, rep, repair)
-        _check_orphans(store, rep, repair, live_packs, manifests_needed, packs_needed)
-        for kind in ("branch", "tag"):
-            for name, vid in store.refs_on(tier).names(kind).items():  # type: ignore[arg-type]
-                rep.checked["refs"] = rep.checked.get("refs", 0) + 1
-                if cat.record(vid) is None and tier.read_record(vid) is None:
-                    rep.problems.append(f"{kind} {name!r} points at missing version {vid[:12]}")
+        manifests_needed, packs_needed, sure = _check_records(store, rep, repair)
+        if sure:
+            _check_orphans(store, rep, repair, live_packs, manifests_needed, packs_needed)
+        else:
+            rep.notes.append("unreferenced manifests and packs were not looked for: a version record has no "
+                             "intact copy, so what it needs is unknown")
+        _check_annotations(store, rep, repair)
+        for t in store.tiers:
+            refs = store.refs_on(t)
+            for kind in ("branch", "tag"):
+                for name, path, why in refs.damaged(kind):  # type: ignore[arg-type]
+                    rep.checked["refs"] = rep.checked.get("refs", 0) + 1
+                    if repair:
+                        moved = t.quarantine(path, f"{kind} {name!r}: ref file {why}")
+                        rep.repaired.append(f"moved damaged {kind} {name!r} on tier {t.name} to "
+                                            f"{moved.relative_to(t.root)}; recreate the ref")
+                    else:
+                        rep.problems.append(f"{kind} {name!r}: ref file {path} on tier {t.name} {why}")
+                for name, vid in refs.names(kind).items():  # type: ignore[arg-type]
+                    rep.checked["refs"] = rep.checked.get("refs", 0) + 1
+                    if t is tier and cat.raw_record(vid) is None and t.read_record(vid) is None:
+                        rep.problems.append(f"{kind} {name!r} points at missing version {vid[:12]}")
     return rep
 
 
@@ -194,33 +219,112 @@ def _check_tier_packs(store: Repository, tier: Tier, rep: FsckReport, live: set[
     return bad
 
 
-def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[set[str], set[str]]:
-    """Check every version record of every tier against the catalog; return the manifests and
-    packs that versions need (pruned versions' packs count as needed: freeing them is gc's job)."""
+def _copies(store: Repository, kind: str, oid: str) -> tuple[bytes | None, list[tuple[Tier, Path]]]:
+    """(the bytes of an intact copy or None, [(tier, path) of every damaged copy]) of a record or
+    manifest, reading every tier's copy directly (no repair, no promotion: fsck changes nothing)."""
+    good: bytes | None = None
+    bad: list[tuple[Tier, Path]] = []
+    for t in store.tiers:
+        path = t.record_path(oid) if kind == "record" else t.manifest_path(oid)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            bad.append((t, path))
+            continue
+        if blake3.blake3(data).hexdigest() == oid:
+            good = good if good is not None else data
+        else:
+            bad.append((t, path))
+    return good, bad
+
+
+def _mend(store: Repository, rep: FsckReport, repair: bool, what: str, vid: str, good: bytes | None,
+          bad: list[tuple[Tier, Path]]) -> bool:
+    """Report each damaged copy (naming its tier); with repair, rewrite it from `good` when there is
+    one, else move it to quarantine/ and mark version `vid` damaged. Returns False when no intact
+    copy exists."""
+    for t, path in bad:
+        where = f"{what} on tier {t.name} ({path.relative_to(t.root)})"
+        if not repair:
+            rep.problems.append(f"{where} does not match its id (damaged)")
+        elif good is not None:
+            replace(path, good)
+            rep.repaired.append(f"restored damaged {where} from an intact copy")
+        else:
+            moved = t.quarantine(path, f"{what} does not match its id and no tier holds an intact copy")
+            rep.repaired.append(f"moved damaged {where} to {moved.relative_to(t.root)}: no intact copy")
+            _mark_damaged(store, vid, f"{t.name}:{path.relative_to(t.root)}")
+    if good is None and bad and repair:
+        rep.problems.append(f"{what} has no intact copy on any tier: version {vid[:12]} is marked damaged")
+    return good is not None
+
+
+def _mark_damaged(store: Repository, vid: str, what: str) -> None:
+    if store.catalog.raw_record(vid) is not None:
+        store.catalog.update_extra(vid, {"damaged": what})
+
+
+def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[set[str], set[str], bool]:
+    """Check every copy of every version record (each tier's file and the catalog's copy) and of
+    every manifest they name. Returns the manifests and packs that versions need (pruned versions'
+    packs count as needed: freeing them is gc's job) and whether that answer is complete (False
+    when a record has no intact copy anywhere: then nothing may be called unreferenced)."""
     cat = store.catalog
     manifests_needed: set[str] = set()
     packs_needed: set[str] = set()
-    home: dict[str, Tier] = {}
+    sure = True
+    ids: dict[str, None] = {}
     for tier in store.tiers:
-        for vid in tier.iter_ids("versions", "json"):
-            home.setdefault(vid, tier)
-    for vid, tier in home.items():
+        ids.update(dict.fromkeys(tier.iter_ids("versions", "json")))
+    in_catalog = dict(cat.raw_records())
+    ids.update(dict.fromkeys(in_catalog))
+    for vid in ids:
         rep.checked["versions"] = rep.checked.get("versions", 0) + 1
-        data = tier.read_record(vid) or b""
-        if blake3.blake3(data).hexdigest() != vid:
-            rep.problems.append(f"version record {vid[:12]} on tier {tier.name} does not match its id (damaged)")
+        good, bad = _copies(store, "record", vid)
+        indexed = in_catalog.get(vid)
+        if indexed is not None and blake3.blake3(indexed).hexdigest() != vid:
+            if repair and good is not None:
+                cat.put_record(vid, good)
+                rep.repaired.append(f"re-indexed the damaged catalog copy of version {vid[:12]} from its record file")
+            elif not repair or good is None:
+                rep.problems.append(f"the catalog's copy of version {vid[:12]} does not match its id (damaged)")
+        elif indexed is not None:
+            good = good if good is not None else indexed  # the catalog's copy verifies: it is an intact copy
+        if not _mend(store, rep, repair, f"version record {vid[:12]}", vid, good, bad):
+            sure = False
             continue
-        rec = json.loads(data)
-        pruned = bool(cat.extra(vid).get("pruned")) or tier.record_path(vid).with_suffix(".pruned").exists()
+        assert good is not None
+        if indexed is not None and not any(t.record_path(vid).exists() for t in store.tiers):
+            if repair:
+                write_new(store.tier.record_path(vid), good)
+                rep.repaired.append(f"rewrote the missing record file of version {vid[:12]} on tier "
+                                    f"{store.tier.name} from the catalog's verified copy")
+            else:
+                rep.problems.append(f"catalog lists version {vid[:12]} but its record file is gone from every tier")
+        rec, _ = readable(json.loads(good))
+        pruned = bool(cat.extra(vid).get("pruned")) or any(
+            t.record_path(vid).with_suffix(".pruned").exists() for t in store.tiers)
         complete = True
-        mids = list(rec.get("manifests", {}).values())
+        mids = [m for m in rec.get("manifests", {}).values() if isinstance(m, str)]
         for mid in mids:
-            try:
-                m = Manifest(mid, store.objects.read_manifest_bytes(mid))
-            except (DataStatesError, OSError, ValueError) as exc:
+            mgood, mbad = _copies(store, "manifest", mid)
+            if mbad:
+                _mend(store, rep, repair, f"manifest {mid[:12]} of version {vid[:12]}", vid, mgood, mbad)
+            if mgood is None:
+                if mbad:
+                    sure = False  # what the damaged manifest names is unknown: no pack may be called unused
                 if not pruned:
-                    rep.problems.append(f"version {vid[:12]}: manifest {mid[:12]}: {exc}")
                     complete = False
+                    if not mbad:
+                        rep.problems.append(f"version {vid[:12]}: manifest {mid[:12]} is missing from every tier")
+                continue
+            try:
+                m = Manifest(mid, mgood)
+            except (DataStatesError, ValueError) as exc:
+                rep.problems.append(f"version {vid[:12]}: manifest {mid[:12]}: {exc}")
+                complete = False
                 continue
             for r in m.rows:
                 for cid, loc in zip(r["chunks"], cat.chunks(r["chunks"])):
@@ -229,25 +333,55 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[se
                     elif not pruned:
                         complete = False
                         rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()[:16]} of {r['key']!r} is missing")
-        if cat.record(vid) is None:
+        manifests_needed.update(mids)
+        if indexed is None:
             if repair and complete:
-                cat.commit(CommitBatch(vid, data, list(rec.get("parents", []))))
+                cat.commit(CommitBatch(vid, good, list(rec.get("parents", []))))
                 rep.repaired.append(f"indexed version {vid[:12]} that the catalog had missed")
-            elif repair and not tier.shared:
-                tier.record_path(vid).unlink(missing_ok=True)
-                rep.repaired.append(f"removed incomplete, never-committed version record {vid[:12]}")
-                continue  # its manifests are debris now
+            elif repair:
+                # An incomplete record no catalog names: debris of a save that failed, most likely; but it
+                # is not provably garbage, so it goes to quarantine/, not away.
+                for t in store.tiers:
+                    if t.record_path(vid).exists() and not t.shared:
+                        moved = t.quarantine(t.record_path(vid), "incomplete version record no catalog names")
+                        rep.repaired.append(f"moved incomplete, never-committed version record {vid[:12]} to "
+                                            f"{moved.relative_to(t.root)}")
             else:
                 rep.problems.append(f"version {vid[:12]} has a record but is not in the catalog")
-        manifests_needed.update(mids)
-    for vid, data in list(cat.records()):
-        if vid not in home:
-            if repair:
-                cat.drop_version(vid, list(json.loads(data).get("parents", [])))
-                rep.repaired.append(f"dropped catalog entry of version {vid[:12]} whose record file is gone")
+    return manifests_needed, packs_needed, sure
+
+
+def _check_annotations(store: Repository, rep: FsckReport, repair: bool) -> None:
+    """Verify every annotation file of every tier; with repair, rewrite a damaged one from the
+    catalog's copy (the live one) or from another tier's intact copy, else move it to quarantine/."""
+    cat = store.catalog
+    for t in store.tiers:
+        for vid in list(t.iter_ids("annotations", "json")):
+            rep.checked["annotations"] = rep.checked.get("annotations", 0) + 1
+            path = t.annotation_path(vid)
+            try:
+                decode_annotations(path.read_bytes())
+                continue
+            except (OSError, ValueError) as exc:
+                why = str(exc)
+            where = f"annotations of version {vid[:12]} on tier {t.name} ({path.relative_to(t.root)})"
+            if not repair:
+                rep.problems.append(f"{where} {why} (damaged)")
+                continue
+            good: dict[str, Any] | None = cat.annotations(vid) or None
+            for other in store.tiers:
+                if good is None and other is not t:
+                    try:
+                        good = decode_annotations(other.annotation_path(vid).read_bytes())
+                    except (OSError, ValueError):
+                        pass
+            if good is not None:
+                replace(path, encode_annotations(good))
+                rep.repaired.append(f"restored damaged {where} from an intact copy")
             else:
-                rep.problems.append(f"catalog lists version {vid[:12]} but its record file is gone")
-    return manifests_needed, packs_needed
+                moved = t.quarantine(path, f"annotations {why}; no intact copy")
+                rep.repaired.append(f"moved damaged {where} to {moved.relative_to(t.root)}: no intact copy")
+                rep.problems.append(f"{where} had no intact copy; it is in quarantine/")
 
 
 def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[str], manifests_needed: set[str],
@@ -255,7 +389,12 @@ def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[s
     tier, cat = store.tier, store.catalog
     for mid in list(tier.iter_ids("manifests", "arrow")):
         if mid not in manifests_needed:
-            _orphan(rep, repair, tier.manifest_path(mid), f"manifest {mid[:12]} named by no version", tier.root)
+            path = tier.manifest_path(mid)
+            if repair:
+                _orphan(rep, repair, path, f"manifest {mid[:12]} named by no version", tier.root)
+            else:  # debris of a save that failed or was interrupted, not damage: no version lacks anything
+                rep.notes.append(f"manifest {mid[:12]} is named by no version (leftover of a failed or interrupted "
+                                 f"save): {path.relative_to(tier.root)}; `datastates fsck --repair` removes it")
     for pack in sorted(live - packs_needed):
         if _duplicates_only(store, pack):
             # Two writers stored the same new chunk; the catalog uses the other copy. Dead weight, not

@@ -8,6 +8,7 @@ from typing import Any
 
 import blake3
 
+from ..errors import IntegrityError
 from ..meta.catalog import CommitBatch
 from ..objects.packs import list_packs, read_index
 from ..query.lineage import is_ancestor
@@ -49,7 +50,10 @@ def refresh(repo: Repository) -> dict[str, int]:
             counts["pruned"] += 1
     for kind in ("branch", "tag"):
         for name, cid in repo.cold_refs.names(kind).items():  # type: ignore[arg-type]
-            mine = repo.refs.get(kind, name)  # type: ignore[arg-type]
+            try:
+                mine = repo.refs.get(kind, name)  # type: ignore[arg-type]
+            except IntegrityError:
+                continue  # a damaged hot ref: fsck reports it, --repair moves it aside; never overwrite it here
             if catalog.record(cid) is None or mine == cid:
                 continue
             if mine is None or (kind == "branch" and is_ancestor(repo.graph, mine, cid)):

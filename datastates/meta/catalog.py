@@ -11,13 +11,15 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import blake3
 import lmdb
 
+from ..errors import CatalogDamagedError, IntegrityError
 from ..objects.chunks import ChunkLocation
 
 _LOC = struct.Struct("<16sQQQB")
@@ -26,6 +28,53 @@ _OPEN_LOCK = threading.Lock()
 _DB_HANDLES: dict[str, dict[str, Any]] = {}
 _DBS = (b"chunks", b"packs", b"versions", b"children", b"extra", b"annotations", b"meta", b"nodes")
 _CREATED = struct.Struct("<d")
+_META = struct.Struct("<IIQQ")  # mm_magic, mm_version, mm_address, mm_mapsize (after the 16-byte page header)
+_MAGIC = 0xBEEFC0DE
+_DB = 48  # sizeof(MDB_db) on 64-bit
+
+
+def check_catalog_file(path: Path) -> None:
+    """Raise CatalogDamagedError if the LMDB file `path` (data.mdb) is shorter than its own meta pages
+    say, or has no valid meta page.
+
+    LMDB maps the file and trusts it: reading a page past a truncated end kills the process with
+    SIGBUS, which no handler can turn into an error. So the newest meta page's last used page number
+    is checked against the file size before the file is ever mapped.
+    """
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(2 * 65536)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise CatalogDamagedError(_damaged(path, f"cannot be read ({exc.strerror})")) from exc
+    best: tuple[int, int, int] | None = None  # (txnid, last page, page size)
+    page_size = 0
+    for meta in range(2):
+        base = meta * page_size
+        if base + 16 + _META.size + 2 * _DB + 16 > len(head):
+            break
+        magic, _version, _addr, _mapsize = _META.unpack_from(head, base + 16)
+        psize = struct.unpack_from("<I", head, base + 16 + _META.size)[0]  # FREE_DBI's md_pad holds the page size
+        if magic != _MAGIC or psize < 512 or psize & (psize - 1):
+            if meta == 0:
+                break
+            continue
+        page_size = page_size or psize
+        last, txnid = struct.unpack_from("<QQ", head, base + 16 + _META.size + 2 * _DB)
+        if best is None or txnid > best[0]:
+            best = (txnid, last, psize)
+    if best is None:
+        raise CatalogDamagedError(_damaged(path, "has no valid LMDB meta page"))
+    need = (best[1] + 1) * best[2]
+    if size < need:
+        raise CatalogDamagedError(_damaged(path, f"is truncated: {size} bytes, its meta page needs {need}"))
+
+
+def _damaged(path: Path, why: str) -> str:
+    return (f"catalog {path} {why}; the catalog is derived from the version records: run "
+            "`datastates fsck --repair` to move it to quarantine/ and rebuild it")
 
 
 def _pack_loc(loc: ChunkLocation) -> bytes:
@@ -62,13 +111,22 @@ class Catalog:
             env, refs = _OPEN.get(key, (None, 0))
             if env is None:
                 path.mkdir(parents=True, exist_ok=True)
+                check_catalog_file(path / "data.mdb")
                 # map_size is virtual address space; the file grows only as pages are used.
-                env = lmdb.open(str(path), map_size=1 << 40, max_dbs=len(_DBS), subdir=True, max_readers=256)
-                _DB_HANDLES[key] = {name.decode(): env.open_db(name) for name in _DBS}
+                try:
+                    env = lmdb.open(str(path), map_size=1 << 40, max_dbs=len(_DBS), subdir=True, max_readers=256)
+                    _DB_HANDLES[key] = {name.decode(): env.open_db(name) for name in _DBS}
+                except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
+                        lmdb.VersionMismatchError, lmdb.BadDbiError) as exc:
+                    raise CatalogDamagedError(_damaged(path / "data.mdb", f"is damaged ({exc})")) from exc
             _OPEN[key] = (env, refs + 1)
             self._db = _DB_HANDLES[key]
         self._key = key
         self.env = env
+        self.record_source: Callable[[str], bytes] | None = None
+        """Where a damaged catalog copy of a record is read again from: a function returning the
+        verified bytes of the record file (the repository sets it; it raises IntegrityError naming
+        the files when no copy is good)."""
 
     def close(self) -> None:
         with _OPEN_LOCK:
@@ -159,14 +217,55 @@ class Catalog:
             return self._generation(txn)
 
     def record(self, vid: str) -> bytes | None:
+        """The verified record bytes of an indexed version, None if it is not indexed.
+
+        Every read checks blake3(bytes) == id. A damaged catalog copy is read again from the record
+        files (`record_source`) and rewritten; IntegrityError if no copy is good."""
+        raw = self.raw_record(vid)
+        return None if raw is None else self._verified(vid, raw)
+
+    def raw_record(self, vid: str) -> bytes | None:
+        """The catalog's copy of a record as stored, unverified (fsck compares it)."""
         with self.env.begin(db=self._db["versions"]) as txn:
             raw = txn.get(bytes.fromhex(vid))
         return None if raw is None else bytes(raw)
 
     def records(self) -> Iterator[tuple[str, bytes]]:
+        """(id, verified record bytes) of every indexed version; damaged catalog copies are re-read
+        from the record files (after the others). Raises IntegrityError for one with no good copy."""
+        damaged: list[tuple[str, bytes]] = []
+        with self.env.begin(db=self._db["versions"]) as txn:
+            for k, v in txn.cursor():
+                vid, data = bytes(k).hex(), bytes(v)
+                if blake3.blake3(data).hexdigest() == vid:
+                    yield vid, data
+                else:
+                    damaged.append((vid, data))
+        for vid, data in damaged:  # outside the read transaction: repairing writes
+            yield vid, self._verified(vid, data)
+
+    def raw_records(self) -> Iterator[tuple[str, bytes]]:
+        """Every catalog copy as stored, unverified (fsck checks them)."""
         with self.env.begin(db=self._db["versions"]) as txn:
             for k, v in txn.cursor():
                 yield bytes(k).hex(), bytes(v)
+
+    def _verified(self, vid: str, raw: bytes) -> bytes:
+        if blake3.blake3(raw).hexdigest() == vid:
+            return raw
+        if self.record_source is None:
+            raise IntegrityError(f"the catalog's copy of version {vid[:12]} does not match its id; run "
+                                 "`datastates fsck --repair`")
+        good = self.record_source(vid)
+        self.put_record(vid, good)  # the catalog is a cache of verified records: mend it
+        return good
+
+    def put_record(self, vid: str, data: bytes) -> None:
+        """Replace the catalog's copy of an indexed record by `data`, which must hash to `vid`."""
+        if blake3.blake3(data).hexdigest() != vid:
+            raise IntegrityError(f"refusing to index record bytes that do not match version {vid[:12]}")
+        with self.env.begin(write=True) as txn:
+            txn.put(bytes.fromhex(vid), data, db=self._db["versions"])
 
     def version_count(self) -> int:
         with self.env.begin() as txn:

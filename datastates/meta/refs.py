@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import socket
@@ -20,7 +21,9 @@ from typing import Any, Literal
 
 from ..base.files import append_line, fsync_dir, replace
 from ..base.locks import lockfile
-from ..errors import ConflictError, InvalidNameError, NotFoundError
+from ..errors import ConflictError, IntegrityError, InvalidNameError, NotFoundError
+
+log = logging.getLogger("datastates")
 
 Kind = Literal["branch", "tag"]
 _DIRS = {"branch": "heads", "tag": "tags"}
@@ -101,24 +104,53 @@ class RefStore:
             os.close(fd)
 
     def get(self, kind: Kind, name: str) -> str | None:
-        """The version id a ref points at, or None if it does not exist."""
+        """The version id a ref points at, or None if it does not exist.
+
+        Raises IntegrityError naming the file and `datastates fsck --repair` if the ref file exists
+        but does not hold one version id (a flipped byte, a truncation): a damaged ref is never
+        read as absent, so a compare-and-swap cannot silently overwrite it.
+        """
+        path = self._path(kind, name)
         try:
-            text = self._path(kind, name).read_text().strip()
-        except (FileNotFoundError, OSError):
+            raw = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        return text or None
+        except OSError:
+            return None
+        vid, why = parse_ref(raw)
+        if why:
+            raise IntegrityError(damaged_ref_message(kind, name, path, why))
+        return vid
 
     def names(self, kind: Kind) -> dict[str, str]:
-        d = self.root / "refs" / _DIRS[kind]
+        """Every readable ref of `kind` -> its id. A damaged ref file is skipped with a warning (one
+        bad file must not hide the others); `damaged` lists them, fsck reports them."""
         out: dict[str, str] = {}
-        if d.is_dir():
-            for p in sorted(d.iterdir()):
-                if p.name.startswith("."):
-                    continue
-                vid = p.read_text().strip()
-                if vid:
-                    out[_decode(p.name)] = vid
+        for name, path, vid, why in self._scan(kind):
+            if why:
+                log.warning("%s", damaged_ref_message(kind, name, path, why))
+            elif vid:
+                out[name] = vid
         return out
+
+    def damaged(self, kind: Kind) -> list[tuple[str, Path, str]]:
+        """(name, file, why) of every ref file of `kind` that does not hold one version id."""
+        return [(name, path, why) for name, path, _, why in self._scan(kind) if why]
+
+    def _scan(self, kind: Kind) -> Iterator[tuple[str, Path, str | None, str]]:
+        d = self.root / "refs" / _DIRS[kind]
+        if not d.is_dir():
+            return
+        for p in sorted(d.iterdir()):
+            if p.name.startswith(".") or p.name.endswith(".tmp") or not p.is_file():
+                continue
+            try:
+                raw = p.read_bytes()
+            except OSError as exc:
+                yield _decode(p.name), p, None, f"unreadable ({exc.strerror})"
+                continue
+            vid, why = parse_ref(raw)
+            yield _decode(p.name), p, vid, why
 
     def _write(self, kind: Kind, name: str, old: str | None, new: str | None, message: str) -> None:
         path = self._path(kind, name)
@@ -178,9 +210,31 @@ class RefStore:
         if not path.exists():
             return []
         out = []
-        for line in path.read_text().splitlines():
+        for line in path.read_bytes().splitlines():
             try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a torn last line from a crash mid-append
+                entry = json.loads(line)
+            except ValueError:  # a torn last line from a crash mid-append, or a damaged byte
+                log.warning("reflog %s: skipped a damaged line", path)
+                continue
+            if isinstance(entry, dict):
+                out.append(entry)
         return out
+
+
+def parse_ref(raw: bytes) -> tuple[str | None, str]:
+    """(id, "") for the bytes of a valid ref file (id None for an empty one, a ref being deleted),
+    else (None, why it is damaged)."""
+    try:
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        return None, "is not text (a damaged byte)"
+    if not text:
+        return None, ""
+    if not HEX_ID.match(text):
+        return None, "does not hold a 64-hex-digit version id"
+    return text, ""
+
+
+def damaged_ref_message(kind: str, name: str, path: Path, why: str) -> str:
+    return (f"{kind} {name!r}: ref file {path} {why}; run `datastates fsck --repair` to move it to "
+            "quarantine/, then recreate the ref")

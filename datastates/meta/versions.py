@@ -52,6 +52,9 @@ class Version:
     timings: dict[str, float] = field(default_factory=dict, compare=False)
     recorded_metrics: dict[str, Any] | None = field(default=None, compare=False, repr=False)
     """The record's own metrics when `metrics` has later (annotated) metrics laid over them."""
+    damaged: str | None = field(default=None, compare=False)
+    """Set by `fsck --repair` when a file of this version had no intact copy: what was moved to
+    quarantine/. Loading such a version raises IntegrityError naming it."""
     invalid: tuple[str, ...] = field(default=(), compare=False)
     """Record fields a buggy or older writer stored with the wrong type; they read as empty."""
 
@@ -143,6 +146,32 @@ def decode_record(vid: str, data: bytes, **nonid: Any) -> Version:
         chunks_new=int(rec.get("chunks_new", 0)), fork_of=rec.get("fork_of"), explore=rec.get("explore"),
         replicated=rec.get("replicated"), invalid=bad, **nonid,
     )
+
+
+ANNOTATION_SUM = "_blake3"
+"""Key of an annotation file that holds the blake3 of the canonical JSON of the other keys."""
+
+
+def encode_annotations(values: dict[str, Any]) -> bytes:
+    """The bytes of an annotation file: canonical JSON of `values` plus their checksum."""
+    plain = {k: v for k, v in values.items() if k != ANNOTATION_SUM}
+    return canonical_json({**plain, ANNOTATION_SUM: blake3.blake3(canonical_json(plain)).hexdigest()})
+
+
+def decode_annotations(data: bytes) -> dict[str, Any]:
+    """The annotations in an annotation file, verified. Files written before checksums (no
+    `_blake3` key) are read as they are. Raises ValueError saying why when the file is damaged
+    (not UTF-8 JSON, not an object, or its checksum does not match)."""
+    try:
+        values = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"is not JSON ({exc})") from exc
+    if not isinstance(values, dict):
+        raise ValueError("does not hold a JSON object")
+    stored = values.pop(ANNOTATION_SUM, None)
+    if stored is not None and blake3.blake3(canonical_json(values)).hexdigest() != stored:
+        raise ValueError("does not match its checksum")
+    return values
 
 
 LATER_METRICS = "_metrics"

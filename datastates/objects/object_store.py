@@ -19,9 +19,10 @@ import threading
 import time
 from typing import Any, Protocol
 
+import blake3
 import numpy as np
 
-from ..base.files import copy_file, write_new
+from ..base.files import copy_file, replace, write_new
 from ..errors import IntegrityError, NotFoundError
 from .chunks import CODEC_RAW, CODEC_ZSTD, ChunkLocation, chunk_id
 from .tier import Tier
@@ -156,24 +157,62 @@ class ObjectStore:
 
     # manifests -----------------------------------------------------------------------
     def read_manifest_bytes(self, mid: str) -> bytes:
-        """The stored bytes of manifest `mid` from the first tier that has it (unverified: the
-        manifest layer checks them). A copy read from cold is kept on hot, so restarts do not
-        need cold. Raises NotFoundError or OSError from the last tier tried."""
-        err: Exception | None = None
-        for t in self.tiers:
-            try:
-                data = t.read_manifest(mid)
-            except (NotFoundError, OSError) as exc:
-                err = exc
-                continue
-            if t is not self.hot:
+        """The bytes of manifest `mid`, verified (blake3 == id) unless verification is off: the first
+        good copy, hot then cold. A damaged hot copy is rewritten from the good cold one, and a copy
+        read from cold is kept on hot, so restarts do not need cold. Raises NotFoundError (no tier
+        has it) or IntegrityError naming every damaged copy."""
+        if not self.verify:
+            for t in self.tiers:
                 try:
-                    write_new(self.hot.manifest_path(mid), data)
+                    return t.read_manifest(mid)
+                except (NotFoundError, OSError):
+                    continue
+        return self._read_verified("manifest", mid)
+
+    def read_record_bytes(self, vid: str) -> bytes:
+        """The bytes of version record `vid` from the first tier whose copy hashes to `vid`; a damaged
+        hot copy is rewritten from it. Raises NotFoundError (no record file) or IntegrityError naming
+        every damaged copy and saying to run `datastates fsck --repair`."""
+        return self._read_verified("record", vid)
+
+    def _read_verified(self, kind: str, oid: str) -> bytes:
+        bad: list[tuple[Tier, str]] = []
+        good: tuple[Tier, bytes] | None = None
+        for t in self.tiers:
+            path = t.manifest_path(oid) if kind == "manifest" else t.record_path(oid)
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                bad.append((t, f"{path} on tier {t.name} ({exc.strerror})"))
+                continue
+            if blake3.blake3(data).hexdigest() == oid:
+                good = (t, data)
+                break
+            bad.append((t, f"{path} on tier {t.name}"))
+        if good is None:
+            if not bad:
+                raise NotFoundError(f"{kind} {oid} is missing from every tier; run `datastates fsck`")
+            raise IntegrityError(
+                f"{kind} {oid[:12]} has no intact copy: {'; '.join(w for _, w in bad)} "
+                f"{'does' if len(bad) == 1 else 'do'} not match its id; run `datastates fsck --repair` "
+                "(it moves damaged files to quarantine/ and marks the version damaged)")
+        src, data = good
+        for t, where in bad:  # mend copies a read would meet first (hot) from the good one
+            if self.tiers.index(t) < self.tiers.index(src):
+                try:
+                    replace(t.manifest_path(oid) if kind == "manifest" else t.record_path(oid), data)
+                    log.warning("%s %s: replaced the damaged copy %s by the good one on tier %s",
+                                kind, oid[:12], where, src.name)
                 except OSError:
                     pass
-            return data
-        assert err is not None
-        raise err
+        if kind == "manifest" and src is not self.hot and not any(t is self.hot for t, _ in bad):
+            try:
+                write_new(self.hot.manifest_path(oid), data)
+            except OSError:
+                pass
+        return data
 
     # chunks --------------------------------------------------------------------------
     def read_chunk(self, cid: bytes, key: str = "?") -> bytes:

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from ..base.files import replace, write_new
+from ..base.files import append_line, replace, write_new
 from ..base.locks import lockfile
 from ..errors import NotFoundError, StoreFormatError
 from .packs import PackReader, PackWriter
@@ -113,6 +113,21 @@ class Tier:
                 for p in sorted(sub.iterdir()):
                     if p.name.endswith(f".{ext}") and not p.name.startswith("."):
                         yield p.name[: -len(ext) - 1]
+
+    def quarantine(self, path: Path, reason: str) -> Path:
+        """Move `path` (a file or directory inside this tier) to `quarantine/`, keeping its relative
+        path plus a timestamp, and append a JSON line {file, moved_to, reason, time, tier} to
+        `quarantine/report.jsonl`. Nothing is deleted: the bytes stay for a person to inspect.
+        Returns the new path."""
+        now = time.time()
+        rel = path.relative_to(self.root)
+        dest = self.root / "quarantine" / rel.parent / f"{rel.name}.{int(now * 1000)}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, dest)
+        append_line(self.root / "quarantine" / "report.jsonl", json.dumps(
+            {"file": str(rel), "moved_to": str(dest.relative_to(self.root)), "reason": reason, "time": now,
+             "tier": self.name}, sort_keys=True).encode())
+        return dest
 
     def new_pack(self) -> PackWriter:
         return PackWriter(self.root / "packs")

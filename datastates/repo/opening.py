@@ -103,6 +103,21 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     return repo, rebuild, cold_ok
 
 
+def quarantine_catalog(path: str | os.PathLike[str], hot: str | os.PathLike[str] | None = None) -> Path:
+    """Move the catalog directory of the store at `path` (on its hot tier when it has one) to that
+    tier's `quarantine/`, so that the next open rebuilds it from the version records. Returns where
+    it went. Raises NotFoundError if the store has no catalog."""
+    root = Path(path).expanduser()
+    if hot is None:
+        saved = tier_config.load(root)
+        hot = saved.hot if saved else None
+    tier = Tier(Path(hot).expanduser(), "hot") if hot is not None else Tier(root)
+    cat = tier.root / "catalog"
+    if not cat.exists():
+        raise NotFoundError(f"store {root} has no catalog at {cat}; open it to create one")
+    return tier.quarantine(cat, "catalog damaged; rebuilt from the version records")
+
+
 def check_chunk_size(size: int) -> None:
     if size <= 0 or size % 64:
         raise InvalidArgumentError(f"chunk_size {size} must be a positive multiple of 64 bytes")

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..base.config import TierConfig
-from ..base.files import canonical_json
 from ..errors import (
     AmbiguousRefError,
     ConflictError,
+    IntegrityError,
     InvalidArgumentError,
     NotFoundError,
     PrunedError,
@@ -28,7 +28,16 @@ from ..errors import (
 from ..meta.catalog import Catalog
 from ..meta.graph import CatalogGraph
 from ..meta.refs import HEX_ID, RefStore, check_name
-from ..meta.versions import LATER_METRICS, Version, decode_record, merge_metrics, plain_json, readable, with_annotations
+from ..meta.versions import (
+    LATER_METRICS,
+    Version,
+    decode_record,
+    encode_annotations,
+    merge_metrics,
+    plain_json,
+    readable,
+    with_annotations,
+)
 from ..objects.object_store import ObjectStore
 from ..objects.tier import Tier
 from ..save.job import SaveHandle
@@ -46,6 +55,7 @@ class Repository:
                  tiering: TierConfig | None = None, root: Path | None = None) -> None:
         self.objects = objects
         self.catalog = catalog
+        catalog.record_source = objects.read_record_bytes  # a damaged catalog copy is re-read from the files
         self.chunk_size = chunk_size
         self.tiering = tiering or TierConfig()
         self.root = root or objects.hot.root
@@ -242,7 +252,8 @@ class Repository:
         if data is None:
             raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
         extra = self.catalog.extra(vid)
-        v = decode_record(vid, data, timings=extra.get("timings", {}), pruned=bool(extra.get("pruned")))
+        v = decode_record(vid, data, timings=extra.get("timings", {}), pruned=bool(extra.get("pruned")),
+                          damaged=extra.get("damaged") or None)
         return with_annotations(v, self.catalog.annotations(vid))
 
     def parents(self, vid: str) -> list[str]:
@@ -269,6 +280,10 @@ class Repository:
     def manifest_of(self, v: Version, rank: int | str = 0) -> Manifest:
         if v.pruned:
             raise PrunedError(f"version {v.short} was pruned: its record is kept for lineage, its tensors are gone")
+        if v.damaged:
+            raise IntegrityError(f"version {v.short} is damaged: {v.damaged} had no intact copy and is in "
+                                 "quarantine/ (see quarantine/report.jsonl); restore that file from a backup, "
+                                 "then run `datastates fsck --repair`")
         mid = v.manifests.get(str(rank))
         if mid is None:
             raise NotFoundError(f"version {v.short} has no rank {rank} (world size {v.world_size})")
@@ -327,7 +342,7 @@ class Repository:
             if later:
                 current[LATER_METRICS] = merge_metrics(current.get(LATER_METRICS) or {}, later)
             current["_updated"] = time.time()
-            self.tier.write_annotations(vid, canonical_json(current))
+            self.tier.write_annotations(vid, encode_annotations(current))
             self.catalog.set_annotations(vid, current)
         return self.version(vid)
 

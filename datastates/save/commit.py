@@ -54,8 +54,8 @@ def make_visible(job: SaveJob, *, tier: Tier, refs: RefStore, catalog: Catalog,
         to_flush = wants_flush(branch)
         if to_flush:
             extra["flush"] = "pending"
-        catalog.commit(CommitBatch(vid, data, parents, list(job.new_chunks.items()), packs, extra,
-                                   overwrite_chunks=overwrite_chunks))
+        _commit_or_unwrite(tier, vid, catalog, CommitBatch(vid, data, parents, list(job.new_chunks.items()),
+                                                           packs, extra, overwrite_chunks=overwrite_chunks))
         job.committed = True
         if branch:
             refs.set_if_equals("branch", branch, head, vid, f"save: {req['message']}".strip(), locked=True)
@@ -69,10 +69,27 @@ def make_fork_visible(rec: dict[str, Any], *, tier: Tier, refs: RefStore, catalo
     vid, data = encode_record(rec)
     with tier.writing(), refs.locked():
         tier.write_record(vid, data)
-        catalog.commit(CommitBatch(vid, data, list(rec["parents"])))
+        _commit_or_unwrite(tier, vid, catalog, CommitBatch(vid, data, list(rec["parents"])))
         if branch:
             refs.set_if_equals("branch", branch, refs.get("branch", branch), vid, message, locked=True)
     return vid
+
+
+def _commit_or_unwrite(tier: Tier, vid: str, catalog: Catalog, batch: CommitBatch) -> None:
+    """Index `batch`; if that fails (a full disk, a damaged catalog), remove the record file this save
+    just wrote, so the failed save leaves no record that readers or fsck would trip on, then re-raise.
+    The record is removed only when the catalog does not know the version (an identical record an
+    earlier save committed stays)."""
+    try:
+        catalog.commit(batch)
+    except BaseException:
+        try:
+            known = catalog.record(vid) is not None
+        except Exception:  # the catalog itself is unreadable: the record file is the only copy, keep it
+            known = True
+        if not known:
+            tier.record_path(vid).unlink(missing_ok=True)
+        raise
 
 
 @dataclass(frozen=True)
@@ -125,7 +142,7 @@ def make_staged_visible(parts: dict[str, Staged], request: dict[str, Any], *, wo
         tier.write_record(vid, data)
         to_flush = wants_flush(branch)
         extra: dict[str, Any] = {"flush": "pending"} if to_flush else {}
-        catalog.commit(CommitBatch(vid, data, parents, list(chunks.items()), packs, extra))
+        _commit_or_unwrite(tier, vid, catalog, CommitBatch(vid, data, parents, list(chunks.items()), packs, extra))
         if branch:
             refs.set_if_equals("branch", branch, head, vid, f"save: {request['message']}".strip(), locked=True)
     return vid, to_flush

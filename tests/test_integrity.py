@@ -1,0 +1,409 @@
+"""Metadata integrity (issue 12): every byte of metadata is checked like the chunks are.
+
+Each test damages real files of a real store (a flipped byte, a truncation, a deleted file), single
+tier and tiered (`Store.open(cold, hot=hot)`), and checks that reads verify and fall back to an intact
+copy, that damage ends in a typed error naming the file, that `fsck` changes nothing and names the
+tier, and that `fsck --repair` only restores or quarantines: no version ever disappears.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import pytest
+import torch
+
+import datastates as ds
+from datastates.errors import CatalogDamagedError, IntegrityError, StorageFullError, StoreFormatError
+from datastates.meta.catalog import Catalog
+
+KIB = 1 << 10
+CLI = "import sys; from datastates.cli import main; sys.exit(main(sys.argv[1:]))"
+
+
+def flip(path: Path, offset: int = -1) -> None:
+    """Invert one byte of a file in place (offset -1: the middle)."""
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset < 0 else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def tree(root: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under `root` (LMDB's reader lock table excluded: it
+    records readers, not data)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "lock.mdb"}
+
+
+def states(n: int) -> list[dict[str, Any]]:
+    return [{"w": torch.arange(64, dtype=torch.float32) + i, "n": {"step": i}} for i in range(n)]
+
+
+def make(tmp_path: Path, tiered: bool, n: int = 3) -> tuple[Path, Path | None, list[str]]:
+    """A store with `n` versions on main (flushed to cold when tiered), closed; returns (cold, hot, ids)."""
+    cold, hot = tmp_path / "cold", (tmp_path / "hot" if tiered else None)
+    s = ds.Store.open(cold, hot=hot, chunk_size=4 * KIB)
+    ids = []
+    for i, st in enumerate(states(n)):
+        ids.append(s.save(st, step=i).id)
+    s.annotate(ids[0], note="first")
+    if tiered:
+        assert s.flush(timeout=60)
+    s.close()
+    return cold, hot, ids
+
+
+def open_store(cold: Path, hot: Path | None) -> ds.Store:
+    return ds.Store.open(cold, hot=hot, create=False)
+
+
+def roots(cold: Path, hot: Path | None) -> list[Path]:
+    return [cold] if hot is None else [hot, cold]
+
+
+def loads(cold: Path, hot: Path | None, ids: list[str]) -> dict[str, bool]:
+    """id -> whether the version loads with exactly the values it was saved with."""
+    out = {}
+    s = open_store(cold, hot)
+    try:
+        for i, vid in enumerate(ids):
+            try:
+                got = s.load(vid)
+                out[vid] = bool(torch.equal(got["w"], states(len(ids))[i]["w"]))
+            except ds.DataStatesError:
+                out[vid] = False
+    finally:
+        s.close()
+    return out
+
+
+def files(root: Path, kind: str) -> list[Path]:
+    ext = {"versions": "json", "manifests": "arrow", "annotations": "json"}[kind]
+    return sorted((root / kind).rglob(f"*.{ext}"))
+
+
+TIERED = pytest.mark.parametrize("tiered", [False, True], ids=["single", "tiered"])
+
+
+# 1. records and manifests verified on every read ------------------------------------------------
+
+@TIERED
+def test_damaged_catalog_copy_is_reread_from_record_file(tmp_path: Path, tiered: bool) -> None:
+    cold, hot, ids = make(tmp_path, tiered)
+    cat_dir = (hot or cold) / "catalog"
+    c = Catalog(cat_dir)
+    raw = c.raw_record(ids[1])
+    assert raw is not None
+    bad = raw.replace(b'"step":1', b'"step":7')
+    assert bad != raw
+    with c.env.begin(write=True) as txn:
+        txn.put(bytes.fromhex(ids[1]), bad, db=c._db["versions"])
+    c.close()
+    s = open_store(cold, hot)
+    try:
+        assert s.version(ids[1]).step == 1  # not the 7 the damaged copy says
+        assert s.catalog.raw_record(ids[1]) == raw  # mended
+        assert [v.step for v in s.log()] == [2, 1, 0]
+    finally:
+        s.close()
+
+
+def test_damaged_record_file_falls_back_to_cold_copy(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, True)
+    assert hot is not None
+    rec = next(p for p in files(hot, "versions") if p.stem == ids[1])
+    good = rec.read_bytes()
+    flip(rec)
+    c = Catalog(hot / "catalog")
+    with c.env.begin(write=True) as txn:  # the catalog copy damaged as well: only cold's file is intact
+        txn.put(bytes.fromhex(ids[1]), good[:-2] + b"}}", db=c._db["versions"])
+    c.close()
+    s = open_store(cold, hot)
+    try:
+        assert s.version(ids[1]).step == 1
+        assert rec.read_bytes() == good  # the hot copy was mended from cold
+    finally:
+        s.close()
+
+
+def test_record_with_no_intact_copy_is_a_typed_error_naming_the_file(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    rec = next(p for p in files(cold, "versions") if p.stem == ids[1])
+    flip(rec)
+    c = Catalog(cold / "catalog")
+    raw = c.raw_record(ids[1])
+    assert raw is not None
+    with c.env.begin(write=True) as txn:
+        txn.put(bytes.fromhex(ids[1]), raw[:-1] + b" ", db=c._db["versions"])
+    c.close()
+    s = open_store(cold, hot)
+    try:
+        with pytest.raises(IntegrityError) as ei:
+            s.version(ids[1])
+        assert str(rec) in str(ei.value) and "datastates fsck --repair" in str(ei.value)
+        assert s.load(ids[2])["w"][0].item() == 2.0  # the others are unaffected
+    finally:
+        s.close()
+
+
+def test_damaged_hot_manifest_falls_back_to_cold_and_is_repaired(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, True)
+    assert hot is not None
+    man = files(hot, "manifests")[0]
+    good = man.read_bytes()
+    flip(man)
+    assert all(loads(cold, hot, ids).values())
+    assert man.read_bytes() == good
+
+
+# 2. refs, config, catalog file -----------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["flip", "garbage", "truncate"])
+def test_damaged_ref_does_not_take_the_store_down(tmp_path: Path, damage: str) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    s = open_store(cold, hot)
+    s.branch("other", ids[0])
+    s.close()
+    ref = cold / "refs" / "heads" / "other"
+    if damage == "flip":
+        flip(ref, 3)
+    elif damage == "garbage":
+        ref.write_bytes(b"\xff\xfe not an id\n")
+    else:
+        ref.write_bytes(ref.read_bytes()[:20])
+    s = open_store(cold, hot)
+    try:
+        assert s.branches() == {"main": ids[2]}  # skipped, the other refs still list
+        assert s.resolve("main") == ids[2]
+        with pytest.raises(IntegrityError) as ei:
+            s.resolve("other")
+        assert str(ref) in str(ei.value) and "datastates fsck --repair" in str(ei.value)
+        rep = s.fsck()
+        assert any("'other'" in p and "tier" in p for p in rep.problems)
+        rep = s.fsck(repair=True)
+        assert not ref.exists()
+        moved = list((cold / "quarantine" / "refs" / "heads").iterdir())
+        assert len(moved) == 1
+        report = [json.loads(line) for line in (cold / "quarantine" / "report.jsonl").read_text().splitlines()]
+        assert report[-1]["file"] == "refs/heads/other" and report[-1]["reason"] and report[-1]["time"] > 0
+        assert s.fsck().ok
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("content", [b"[tiers]\nhot = \"\xff\xfe\"\n", b"[tiers\nhot = 3", b"tiers = 3\n"])
+def test_damaged_config_is_store_format_error(tmp_path: Path, content: bytes) -> None:
+    cold, hot, _ = make(tmp_path, True)
+    (cold / "config.toml").write_bytes(content)
+    with pytest.raises(StoreFormatError) as ei:
+        ds.Store.open(cold, create=False)
+    assert "config.toml" in str(ei.value)
+
+
+@TIERED
+def test_truncated_catalog_is_typed_error_and_repair_rebuilds(tmp_path: Path, tiered: bool) -> None:
+    cold, hot, ids = make(tmp_path, tiered, n=40)
+    data = (hot or cold) / "catalog" / "data.mdb"
+    size = data.stat().st_size
+    assert size > 3 * 4096
+    os.truncate(data, size - 4096)
+    # In a child process: were the check missing, LMDB would kill the process with SIGBUS.
+    code = ("import sys, datastates as ds\n"
+            f"try:\n ds.Store.open({str(cold)!r}, hot={str(hot) if hot else None!r}, create=False)\n"
+            "except ds.DataStatesError as e:\n print(type(e).__name__, e); sys.exit(3)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 3, r.stderr
+    assert "CatalogDamagedError" in r.stdout and "datastates fsck --repair" in r.stdout
+    with pytest.raises(CatalogDamagedError):
+        open_store(cold, hot)
+    r = subprocess.run([sys.executable, "-c", CLI, "fsck", "--repair", "--store", str(cold)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert list(((hot or cold) / "quarantine").glob("catalog.*"))
+    assert all(loads(cold, hot, ids).values())
+
+
+def test_annotations_checksummed_damage_reported_and_old_files_read(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    ann = files(cold, "annotations")[0]
+    assert b'"_blake3"' in ann.read_bytes()
+    flip(ann, ann.read_bytes().index(b"first"))
+    s = open_store(cold, hot)
+    try:
+        rep = s.fsck()
+        assert any("annotations" in p and ids[0][:12] in p for p in rep.problems)
+        s.fsck(repair=True)  # restored from the catalog's live copy
+        assert s.fsck().ok
+        assert s.version(ids[0]).annotations == {"note": "first"}
+    finally:
+        s.close()
+    ann.write_bytes(json.dumps({"note": "old style"}).encode())  # written before checksums
+    shutil.rmtree(cold / "catalog")
+    s = open_store(cold, hot)  # rebuilds the catalog from the files
+    try:
+        assert s.version(ids[0]).annotations == {"note": "old style"}
+        assert s.fsck().ok
+    finally:
+        s.close()
+
+
+# 3. fsck changes nothing; repair never deletes ---------------------------------------------------
+
+@TIERED
+def test_fsck_without_repair_changes_nothing(tmp_path: Path, tiered: bool) -> None:
+    cold, hot, ids = make(tmp_path, tiered)
+    for r in roots(cold, hot):
+        flip(files(r, "versions")[0])
+        flip(files(r, "manifests")[0])
+    (cold / "refs" / "heads" / "junk").write_bytes(b"\xff")
+    s = open_store(cold, hot)
+    before = {str(r): tree(r) for r in roots(cold, hot)}
+    rep = s.fsck()
+    after = {str(r): tree(r) for r in roots(cold, hot)}
+    s.close()
+    assert before == after
+    assert not rep.ok
+    for tier in (["hot", "cold"] if tiered else ["hot"]):
+        assert any(f"on tier {tier}" in p and "version record" in p for p in rep.problems)
+        assert any(f"on tier {tier}" in p and "manifest" in p for p in rep.problems)
+
+
+KINDS = ["record", "manifest", "annotation", "ref", "catalog-record", "pack"]
+
+
+def damage_one(cold: Path, hot: Path | None, kind: str, which: int) -> Path | None:
+    """Flip one byte of one file of `kind` on one tier (`which` picks the tier and file)."""
+    rs = roots(cold, hot)
+    root = rs[which % len(rs)]
+    if kind == "catalog-record":
+        c = Catalog((hot or cold) / "catalog")
+        vid, raw = sorted(c.raw_records())[which % 3]
+        with c.env.begin(write=True) as txn:
+            txn.put(bytes.fromhex(vid), raw[:-1] + b" ", db=c._db["versions"])
+        c.close()
+        return None
+    if kind == "ref":
+        path = root / "refs" / "heads" / "main"
+    elif kind == "pack":
+        path = sorted((root / "packs").glob("*.pack"))[0]
+    else:
+        fs = files(root, {"record": "versions", "manifest": "manifests", "annotation": "annotations"}[kind])
+        path = fs[which % len(fs)]
+    flip(path)
+    return path
+
+
+def invariant(tmp_path: Path, tiered: bool, kind: str, which: int) -> None:
+    cold, hot, ids = make(tmp_path, tiered)
+    damaged = damage_one(cold, hot, kind, which)
+    names = {str(p) for r in roots(cold, hot) for p in r.rglob("*") if p.is_file()}
+    s = open_store(cold, hot)
+    try:
+        s.fsck(repair=True)
+    finally:
+        s.close()
+    now = {str(p) for r in roots(cold, hot) for p in r.rglob("*") if p.is_file()}
+    quarantined = {str(r / json.loads(line)["file"]) for r in roots(cold, hot)
+                   if (r / "quarantine" / "report.jsonl").exists()
+                   for line in (r / "quarantine" / "report.jsonl").read_text().splitlines()}
+    gone = {p for p in names - now if "/quarantine/" not in p and not p.endswith(".tmp")} - quarantined
+    assert not gone, f"repair removed {gone} (damaged: {damaged})"
+    assert quarantined <= ({str(damaged)} if damaged else set())  # only the damaged file, if anything
+    # Every version had an intact copy of each of its files (one tier's copy or the catalog's) except,
+    # single tier, the one whose only file was flipped: those stay loadable.
+    ok = loads(cold, hot, ids)
+    if tiered or kind in ("catalog-record", "ref", "annotation"):
+        assert all(ok.values()), ok
+    else:
+        assert sum(ok.values()) >= len(ids) - 1 if kind in ("record", "manifest") else True
+    s = open_store(cold, hot)
+    try:
+        assert sorted(v.id for v in s.log(ids[2])) == sorted(ids)  # no version was removed
+    finally:
+        s.close()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@TIERED
+def test_repair_never_deletes(tmp_path: Path, tiered: bool, kind: str) -> None:
+    if kind == "ref" and not tiered:
+        pytest.skip("a single-tier store's only ref copy: covered by test_damaged_ref_does_not_take_the_store_down")
+    invariant(tmp_path, tiered, kind, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", range(1, 6))
+@pytest.mark.parametrize("kind", KINDS)
+@TIERED
+def test_repair_never_deletes_larger_sample(tmp_path: Path, tiered: bool, kind: str, which: int) -> None:
+    if kind == "ref" and not tiered:
+        pytest.skip("covered by test_damaged_ref_does_not_take_the_store_down")
+    invariant(tmp_path, tiered, kind, which)
+
+
+def test_unrestorable_record_is_quarantined_and_version_marked_damaged(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    man = next(p for p in files(cold, "manifests"))
+    flip(man)
+    s = open_store(cold, hot)
+    try:
+        rep = s.fsck(repair=True)
+        assert any("quarantine" in line for line in rep.repaired)
+        bad = [vid for vid in ids if s.version(vid).damaged]
+        assert len(bad) == 1
+        with pytest.raises(IntegrityError) as ei:
+            s.load(bad[0])
+        assert "quarantine" in str(ei.value)
+        assert len(s.log()) == 3
+    finally:
+        s.close()
+    report = (cold / "quarantine" / "report.jsonl").read_text().splitlines()
+    assert len(report) == 1 and json.loads(report[0])["file"].startswith("manifests/")
+
+
+# 4. a failed save leaves nothing -----------------------------------------------------------------
+
+@pytest.fixture
+def full_disk_on_commit(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Make the next catalog commit fail as LMDB does on a full disk (the write itself is real)."""
+    real = Catalog.commit
+
+    def commit(self: Catalog, batch: Any) -> None:
+        monkeypatch.setattr(Catalog, "commit", real)
+        raise lmdb.DiskError(errno.ENOSPC, "mdb_txn_commit: No space left on device")
+
+    monkeypatch.setattr(Catalog, "commit", commit)
+    yield
+
+
+@TIERED
+def test_failed_catalog_commit_leaves_nothing_visible(tmp_path: Path, tiered: bool,
+                                                      full_disk_on_commit: None) -> None:
+    cold, hot = tmp_path / "cold", (tmp_path / "hot" if tiered else None)
+    s = ds.Store.open(cold, hot=hot)
+    try:
+        with pytest.raises((ds.DataStatesError, StorageFullError)):
+            s.save({"w": torch.ones(100)}, step=1)
+        assert s.branches() == {}
+        assert list(((hot or cold) / "versions").rglob("*.json")) == []
+    finally:
+        s.close(raise_errors=False)
+    s = ds.Store.open(cold, hot=hot)
+    try:
+        v = s.save({"w": torch.zeros(100)}, step=2)
+        rep = s.fsck()
+        assert rep.ok, rep.problems
+        assert [x.id for x in s.log()] == [v.id]
+    finally:
+        s.close()
