@@ -201,9 +201,9 @@ class _Bench:
 
             ids = set()
             for t in self.state.values():
-                raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+                raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None
                 for a, b in spans(t.numel() * t.element_size(), store.chunk_size):
-                    ids.add(blake3.blake3(raw[a:b]).digest())
+                    ids.add(blake3.blake3(raw[a:b].data if raw is not None else b"").digest())
             self.distinct_chunks = len(ids)
         chunks = self.distinct_chunks
         self.full_saves.append({"chunks_new": v.chunks_new, "chunks": chunks, "bytes_new": v.bytes_new,

@@ -96,9 +96,11 @@ def cnn(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed + 1)
     for m in model.modules():
         if isinstance(m, nn.BatchNorm2d):  # the running statistics a few hundred training steps leave
-            m.running_mean.copy_(torch.randn(m.running_mean.shape, generator=g) * 0.1)
-            m.running_var.copy_(1.0 + torch.rand(m.running_var.shape, generator=g) * 0.1)
-            m.num_batches_tracked.fill_(500)
+            mean, var, count = m.running_mean, m.running_var, m.num_batches_tracked
+            assert mean is not None and var is not None and count is not None  # track_running_stats=True
+            mean.copy_(torch.randn(mean.shape, generator=g) * 0.1)
+            var.copy_(1.0 + torch.rand(var.shape, generator=g) * 0.1)
+            count.fill_(500)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     _fake_step(model, opt, torch.Generator().manual_seed(seed))
     return _flat(model, opt)
