@@ -249,6 +249,28 @@ class PackReader:
                 raise IntegrityError(f"pack {loc.pack} is shorter than its index says (offset {loc.offset})")
             got += n
 
+    def readv_into(self, pack: str, offset: int, outs: list[memoryview]) -> None:
+        """Read the stored bytes at `offset` onward into `outs`, in order, back to back: one `preadv`
+        when the kernel returns everything (the common case), more calls for the rest otherwise.
+        Raises IntegrityError when the pack ends early, NotFoundError when it is missing."""
+        fd = self._fd(pack)
+        total = sum(len(o) for o in outs)
+        got = os.preadv(fd, outs, offset) if outs else 0
+        if got == total:
+            return
+        pos = 0
+        for o in outs:  # a short read: finish buffer by buffer
+            if pos + len(o) <= got:
+                pos += len(o)
+                continue
+            done = max(0, got - pos)
+            while done < len(o):
+                n = os.preadv(fd, [o[done:]], offset + pos + done)
+                if n == 0:
+                    raise IntegrityError(f"pack {pack} is shorter than its index says (offset {offset + pos})")
+                done += n
+            pos += len(o)
+
     def forget(self, pack: str) -> None:
         """Close a pack's file (before it is deleted)."""
         with self._lock:
