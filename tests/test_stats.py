@@ -69,3 +69,47 @@ def test_saved_std_of_batchnorm_weight_is_stable(tmp_path: Path) -> None:
         v = store.save({"bn": bn})
         row = store.history("bn.weight", v.id).to_pylist()[-1]
     assert row["std"] == pytest.approx(float(bn.weight.detach().double().std()), rel=1e-3)
+
+
+def test_unchanged_tensors_keep_their_stats_and_changed_ones_are_recomputed(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    st = {f"w{i}": torch.randn(1000 + i, generator=g) for i in range(20)}
+    with ds.Store.open(tmp_path / "s") as store:
+        v1 = store.save(st)
+        st["w3"] = st["w3"] + 1.0
+        st["w7"] = st["w7"].view(torch.int32)  # same bytes, another dtype: its stats must be recomputed
+        v2 = store.save(st)
+        fields = ("min", "max", "mean", "std", "l2", "nan_count", "inf_count")
+        rows1 = {r["key"]: {f: r[f] for f in fields} for r in store.manifest(v1.manifests["0"]).rows}
+        rows2 = {r["key"]: {f: r[f] for f in fields} for r in store.manifest(v2.manifests["0"]).rows}
+    for k, t in st.items():
+        x = t.double()
+        assert rows2[k]["mean"] == pytest.approx(float(x.mean()), rel=1e-5, abs=1e-6), k
+        assert rows2[k]["std"] == pytest.approx(float(x.std()), rel=1e-4), k
+        assert rows2[k]["max"] == float(x.max()), k
+    assert rows2["w0"] == rows1["w0"]
+    assert rows2["w3"]["mean"] == pytest.approx(rows1["w3"]["mean"] + 1.0, rel=1e-5)
+    assert rows2["w7"]["mean"] != rows1["w7"]["mean"]
+
+
+def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datastates.save.pipeline as pipeline
+
+    calls: list[torch.dtype] = []
+    real = pipeline.partial
+
+    def counting(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
+        calls.append(dtype)
+        return real(raw, dtype)
+
+    monkeypatch.setattr(pipeline, "partial", counting)
+    g = torch.Generator().manual_seed(5)
+    st = {f"w{i}": torch.randn(500, generator=g) for i in range(30)}
+    with ds.Store.open(tmp_path / "s") as store:
+        store.save(st)
+        assert len(calls) == 30
+        calls.clear()
+        st["w5"].add_(1)
+        st["w9"] = st["w9"].view(torch.int32)
+        store.save(st)
+    assert sorted(map(str, calls)) == ["torch.float32", "torch.int32"]
