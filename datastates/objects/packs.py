@@ -84,6 +84,7 @@ class PackWriter:
         self.size = 0
         """Logical bytes so far (offset of the next chunk)."""
         self._bounce = aligned_empty(_BOUNCE) if self.direct else None
+        self._bounce_view = self._bounce.data if self._bounce is not None else memoryview(b"")
         self._held = 0
         self._append(HEADER)
 
@@ -101,9 +102,10 @@ class PackWriter:
             self.size += len(view)
             return
         pos = 0
+        bounce = self._bounce_view
         while pos < len(view):
             n = min(len(view) - pos, _BOUNCE - self._held)
-            self._bounce[self._held:self._held + n] = np.frombuffer(view[pos:pos + n], dtype=np.uint8)
+            bounce[self._held:self._held + n] = view[pos:pos + n]  # a memcpy, no array object per chunk
             self._held += n
             pos += n
             self.size += n
