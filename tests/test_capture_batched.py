@@ -86,3 +86,31 @@ def test_async_capture_is_staged_before_mutation(tmp_path: Path) -> None:
                 t.zero_()
         got = store.load(h.result(timeout=60))
         assert all(_raw(got[k]) == want[k] for k in st)
+
+
+def test_sync_save_reads_big_tensors_in_place(tmp_path: Path) -> None:
+    # A sync save hands host tensors >= 1 MiB to the pipeline in place: no pool slot is ever allocated for
+    # them, and the bytes stored are exactly the tensors' (chunk ids = blake3 of each 256 KiB span).
+    g = torch.Generator().manual_seed(1)
+    st = {f"big{i}": torch.randn(300_000 + i * 1000, generator=g) for i in range(4)}
+    with ds.Store.open(tmp_path / "s", chunk_size=256 << 10) as store:
+        v1 = store.save(st)
+        assert store.pool.allocated_bytes == 0
+        rows = _rows(store, v1)
+        for k, t in st.items():
+            raw = _raw(t)
+            assert rows[k]["chunks"] == [blake3.blake3(raw[a:a + (256 << 10)]).digest()
+                                         for a in range(0, len(raw), 256 << 10)], k
+        st["big2"][:10] += 1  # one chunk of one tensor changes
+        v2 = store.save(st)
+        assert v2.chunks_new == 1 and v2.bytes_new == 256 << 10
+        got = store.load(v2)
+        assert all(torch.equal(got[k], t) for k, t in st.items())
+        # an asynchronous save copies (the caller may change its tensors once staged): the pool is used
+        h = store.save_async(st)
+        assert h.wait_staged(timeout=60)
+        for t in st.values():
+            t.zero_()
+        v3 = h.result(timeout=60)
+        assert store.pool.allocated_bytes > 0
+        assert torch.equal(store.load(v3)["big1"], got["big1"])

@@ -42,8 +42,18 @@ class CaptureOrder:
             self._cv.notify_all()
 
 
-def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: CaptureOrder | None = None) -> None:
+BORROW_MIN = 1 << 20
+"""With `borrow`, host tensors of at least this many bytes are read in place, not copied."""
+
+
+def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: CaptureOrder | None = None,
+            borrow: bool = False) -> None:
     """Copy every stored byte of the job into pool slots, handing each full slot to the pipeline.
+
+    With `borrow` (a synchronous save: the caller waits until the version is durable, so its
+    tensors cannot change under us) a host tensor of at least `BORROW_MIN` bytes is handed over in
+    place, as a slot of its own that is never pooled: hashing, statistics and the pack write read
+    the caller's memory, and a chunk the store already has costs no copy at all.
 
     Always ends the job's slot stream (with None), even on error.
     """
@@ -60,6 +70,11 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
             src = e.source
             on_gpu = src.device.type == "cuda"
             nbytes = e.nbytes
+            if borrow and not on_gpu and nbytes >= BORROW_MIN and src.is_contiguous():
+                lent = Slot(src, [Piece(row, a, b - a) for a, b in spans(nbytes, job.chunk_size)], nbytes,
+                            borrowed=True)
+                _hand_over(job, lent, None)
+                continue
             for a, b in ((0, nbytes),) if nbytes <= job.chunk_size else spans(nbytes, job.chunk_size):
                 n = b - a
                 if slot is None or slot.used + n > pool.slot_bytes:

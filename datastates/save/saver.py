@@ -72,7 +72,8 @@ class Saver:
             threading.Thread(target=self._capture_quietly, args=(job, stream), name="datastates-capture",
                              daemon=True).start()
         else:
-            capture(job, self.pool, stream, self._capture_order)
+            # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
+            capture(job, self.pool, stream, self._capture_order, borrow=overlap and dist is None)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
 
