@@ -7,13 +7,9 @@ import argparse
 import re
 import statistics
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-
-    pass
-
-
+from .shapes import SHAPES
 
 SKIPPABLE = ("torch", "safetensors", "dcp", "train")
 """Groups `--skip` accepts. datastates itself and the plain copy (the floor) always run."""
@@ -28,6 +24,7 @@ METHOD_LABELS: dict[str, str] = {
     "ds_async_durable": "datastates save_async: to durable",
     "ds_partial_save": "datastates save, {changed} of tensors changed",
     "ds_load": "datastates load (full)",
+    "ds_load_one": "datastates load, 1 tensor of the state",
     "ds_load100_full": "datastates load, 100-tensor state (full)",
     "ds_load100_one": "datastates load, 1 tensor of 100",
     "torch_save_fsync": "torch.save + fsync",
@@ -70,7 +67,15 @@ def add_parser(sub: Any) -> None:
                        description="Save and load one state with datastates, torch.save, safetensors and "
                                    "torch.distributed.checkpoint, interleaved; print medians, ratios and targets.")
     p.add_argument("--size", type=_size_arg, default=None, help="total state bytes, e.g. 1GiB, 256MiB (default 1GiB)")
-    p.add_argument("--tensors", type=int, default=32, help="number of tensors in the state (default 32)")
+    p.add_argument("--tensors", type=int, default=None,
+                   help="number of tensors in the state (default 32; with --shape small/uniform: overrides 8000/32)")
+    p.add_argument("--shape", choices=SHAPES, default=None,
+                   help="a real training-state shape built from torch modules and optimizers: transformer "
+                        "(~1.1 GiB, 588 tensors, AdamW), cnn (~140 MiB, 238 tensors, BatchNorm + SGD momentum), "
+                        "small (8,000 x 64 KiB), uniform (32 x 32 MiB); checks the issue-13 targets")
+    p.add_argument("--scale", type=float, default=None,
+                   help="with --shape: multiply the state's bytes, keeping its tensor count and dtypes "
+                        "(default 1; 1/16 with --quick)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 5)")
     p.add_argument("--unchanged", type=float, default=0.9,
                    help="fraction of tensors left unchanged for the partial save (default 0.9)")
@@ -111,6 +116,8 @@ class Config:
     zstd: int = 0
     reuse_unchanged: bool = False
     window: float | None = None
+    shape: str | None = None
+    scale: float = 1.0
 
 
 @dataclass
@@ -155,6 +162,23 @@ TARGETS = (
     Target("train_lost_vs_dcp", "training steps lost: datastates / DCP", "", "", "<=", 0.5),
 )
 
+SHAPE_TARGETS = (
+    Target("torch_save_vs_ds", "torch.save+fsync / datastates save", "torch_save_fsync", "ds_save", ">=", 1.5),
+    Target("blocking_vs_copy", "save_async blocking / plain copy", "ds_async_blocking", "plain_copy", "<=", 1.5),
+    Target("torch_load_vs_ds", "torch.load / datastates load", "torch_load", "ds_load", ">=", 1.2),
+    Target("safetensors_load_vs_ds", "safetensors load / datastates load", "safetensors_load", "ds_load", ">=", 1.2),
+    Target("partial_time", "partial save time / full save time", "ds_partial_save", "ds_save", "<=", 0.35),
+    Target("partial_bytes", "partial save: bytes written / full bytes", "", "", "<=", 0.12),
+    Target("one_of_all", "load 1 tensor of the state / full load", "ds_load_one", "ds_load", "<=", 0.01),
+)
+"""The targets of issue 13 (real training states), checked when `--shape` is given."""
+
+
+def targets_for(cfg: Config) -> tuple[Target, ...]:
+    """The targets a run checks: issue 13's with `--shape`, the original ones otherwise."""
+    return SHAPE_TARGETS if cfg.shape else TARGETS
+
+
 # Informational ratios (no target): the same comparisons seen from other angles.
 INFO_RATIOS = (
     ("blocking_vs_dcp_async_cached", "save_async blocking / DCP async (reused stager)", "ds_async_blocking",
@@ -173,8 +197,16 @@ def command_line(cfg: Config) -> str:
     parts = ["datastates bench"]
     if cfg.quick:
         parts.append("--quick")
-    parts += [f"--size {cfg.size}", f"--tensors {cfg.tensors}", f"--repeats {cfg.repeats}",
-              f"--unchanged {cfg.unchanged:g}"]
+    if cfg.shape:
+        parts += [f"--shape {cfg.shape}", f"--scale {cfg.scale:g}"]
+        if cfg.shape in ("small", "uniform") and cfg.tensors:
+            parts.append(f"--tensors {cfg.tensors}")
+        parts += [f"--repeats {cfg.repeats}", f"--unchanged {cfg.unchanged:g}"]
+    else:
+        parts += [f"--size {cfg.size}", f"--tensors {cfg.tensors}", f"--repeats {cfg.repeats}",
+                  f"--unchanged {cfg.unchanged:g}"]
+    if cfg.reuse_unchanged:
+        parts.append("--reuse-unchanged")
     if cfg.chunk_size:
         parts.append(f"--chunk-size {cfg.chunk_size}")
     if cfg.zstd:
@@ -194,8 +226,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ValueError(f"--skip {','.join(sorted(bad))}: unknown; choose from {','.join(SKIPPABLE)}")
     if not 0.0 <= args.unchanged <= 1.0:
         raise ValueError(f"--unchanged {args.unchanged} must be between 0 and 1")
-    if args.tensors < 1:
+    if args.tensors is not None and args.tensors < 1:
         raise ValueError("--tensors must be at least 1")
+    shape = getattr(args, "shape", None)
+    scale = getattr(args, "scale", None)
+    if scale is not None and not scale > 0:
+        raise ValueError(f"--scale {scale} must be positive")
+    if scale is not None and shape is None:
+        raise ValueError("--scale needs --shape (use --size for the default state)")
+    if shape is not None and args.size is not None:
+        raise ValueError("--size and --shape exclude each other (use --scale to size a shape)")
     if args.zstd < 0 or args.zstd > 22:
         raise ValueError(f"--zstd {args.zstd} must be 0 (off) or a zstd level 1..22")
     if args.chunk_size is not None and args.chunk_size % 64:
@@ -204,7 +244,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
     repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
     if repeats < 1:
         raise ValueError("--repeats must be at least 1")
-    return Config(size=args.size or ((64 << 20) if quick else (1 << 30)), tensors=args.tensors, repeats=repeats,
+    if shape is not None:
+        scale = scale if scale is not None else (1 / 16 if quick else 1.0)
+    return Config(size=args.size or ((64 << 20) if quick else (1 << 30)),
+                  tensors=args.tensors if args.tensors is not None else (0 if shape else 32), repeats=repeats,
+                  shape=shape, scale=scale if scale is not None else 1.0,
                   unchanged=args.unchanged, bench_dir=args.bench_dir, quick=quick, skip=skip,
                   chunk_size=args.chunk_size, zstd=args.zstd, reuse_unchanged=args.reuse_unchanged,
                   window=args.window if args.window is not None else (1.0 if quick else None))

@@ -138,9 +138,11 @@ def _nbytes(state: dict[str, torch.Tensor]) -> int:
 
 
 def _mutate(state: dict[str, torch.Tensor], keys: Iterable[str] | None = None) -> None:
-    # add_(1) never returns a tensor to earlier bytes, so every save of the mutated tensors is all new data.
+    # add_(1) never returns a tensor to earlier bytes, so every save of the mutated tensors is all new data
+    # (integer tensors too: BatchNorm's num_batches_tracked).
     for k in keys if keys is not None else list(state):
-        state[k].add_(1.0)
+        t = state[k]
+        t.add_(1.0 if t.is_floating_point() or t.is_complex() else 1)
 
 
 def _touch_pages(state: Any) -> None:

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
     pass
 
-from .options import INFO_RATIOS, METHOD_LABELS, TARGETS, Config, Results, Target, command_line
+from .options import INFO_RATIOS, METHOD_LABELS, Config, Results, Target, command_line, targets_for
 from .peers import _mem_total
 
 # --- the report ----------------------------------------------------------------------------------------------
@@ -50,7 +50,7 @@ def _report(cfg: Config, res: Results, fs: str, parent: Path, t_start: float) ->
                             "bytes": res.nbytes[key], "samples_s": s,
                             "others_cpu_median": statistics.median(res.others[key])}
     ratios: dict[str, Any] = {}
-    for t in TARGETS:
+    for t in targets_for(cfg):
         value, note = _ratio_value(t, res)
         ok = None if value is None else (value <= t.target if t.op == "<=" else value >= t.target)
         ratios[t.key] = {"label": t.label, "value": value, "op": t.op, "target": t.target, "pass": ok,
@@ -68,7 +68,8 @@ def _report(cfg: Config, res: Results, fs: str, parent: Path, t_start: float) ->
         "machine": {"cpus": os.cpu_count(), "mem_bytes": _mem_total(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__, "fs_type": fs,
                     "dir": str(parent)},
-        "config": {"size": cfg.size, "bytes": res.extra.get("bytes"), "tensors": cfg.tensors,
+        "config": {"size": cfg.size, "bytes": res.extra.get("bytes"), "tensors": res.extra.get("tensors"),
+                   "shape": cfg.shape, "scale": cfg.scale, "dtypes": res.extra.get("dtypes"),
                    "repeats": cfg.repeats, "unchanged": cfg.unchanged, "quick": cfg.quick,
                    "skip": sorted(cfg.skip), "chunk_size": cfg.chunk_size, "zstd": cfg.zstd,
                    "reuse_unchanged": cfg.reuse_unchanged},
@@ -94,7 +95,9 @@ def print_report(rep: dict[str, Any], out: TextIO) -> None:
     """The human-readable table: methods (median s, GB/s), then each ratio with its target and PASS/MISS."""
     cfg = rep["config"]
     w = 46
-    print(f"\ndatastates bench: {cfg['bytes'] / 2**20:.0f} MiB in {cfg['tensors']} fp32 tensors, "
+    kind = f"shape {cfg['shape']} (scale {cfg['scale']:g})" if cfg.get("shape") else "fp32 tensors"
+    dtypes = ",".join(cfg.get("dtypes") or [])
+    print(f"\ndatastates bench: {cfg['bytes'] / 2**20:.0f} MiB in {cfg['tensors']} tensors [{dtypes}], {kind}, "
           f"{cfg['repeats']} repeats, chunk {cfg['chunk_size'] or 'default'}, zstd {cfg['zstd']}, "
           f"{rep['machine']['cpus']} CPUs, {rep['machine']['fs_type']}", file=out)
     print(f"\n{'method':<{w}} {'median s':>9} {'GB/s':>7} {'others':>6}  samples (s)", file=out)

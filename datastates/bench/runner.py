@@ -41,6 +41,7 @@ from .peers import (
     make_state,
 )
 from .report import _report
+from .shapes import approx_bytes, build
 
 # --- the run -------------------------------------------------------------------------------------------------
 
@@ -60,7 +61,8 @@ def run(cfg: Config) -> dict[str, Any]:
     if fs in ("tmpfs", "ramfs"):
         _log(f"WARNING: {parent} is on {fs}: writes measure memory, not a disk; pass --store on a real disk")
     # The datastates store keeps every version until the end: ~2.1 states per repeat plus the first ones.
-    need = cfg.size * (2 * cfg.repeats + 5)
+    size = approx_bytes(cfg.shape, cfg.scale, cfg.tensors or None) if cfg.shape else cfg.size
+    need = size * (2 * cfg.repeats + 5)
     free = shutil.disk_usage(parent).free
     if free < need:
         raise SystemExit(f"datastates bench: {parent} has {free / 2**30:.1f} GiB free; this run needs about "
@@ -85,12 +87,20 @@ class _Bench:
         import torch
 
         self.cfg, self.root, self.res = cfg, root, res
-        _log(f"state: {cfg.size / 2**20:.0f} MiB in {cfg.tensors} fp32 tensors; {cfg.repeats} repeats; "
-             f"files in {root} ({fs})")
-        self.state = make_state(cfg.size, cfg.tensors, seed=0)
-        self.state100 = make_state(cfg.size, 100, seed=1)
-        self.size, self.size100 = _nbytes(self.state), _nbytes(self.state100)
+        if cfg.shape:
+            self.state = build(cfg.shape, cfg.scale, cfg.tensors or None, seed=0)
+            self.state100: dict[str, Any] | None = None
+        else:
+            self.state = make_state(cfg.size, cfg.tensors, seed=0)
+            self.state100 = make_state(cfg.size, 100, seed=1)
+        self.size = _nbytes(self.state)
+        self.size100 = _nbytes(self.state100) if self.state100 is not None else 0
         res.extra["bytes"] = self.size
+        res.extra["tensors"] = len(self.state)
+        res.extra["dtypes"] = sorted({str(t.dtype).removeprefix("torch.") for t in self.state.values()})
+        what = f"shape {cfg.shape} at scale {cfg.scale:g}" if cfg.shape else "fp32 tensors"
+        _log(f"state: {self.size / 2**20:.0f} MiB in {len(self.state)} tensors ({what}); {cfg.repeats} repeats; "
+             f"files in {root} ({fs})")
         self.keys = list(self.state)
         self.n_changed = max(1, round(len(self.keys) * (1 - cfg.unchanged))) if cfg.unchanged < 1 else 0
         self.cpu = CpuMeter()
@@ -98,6 +108,7 @@ class _Bench:
         self.copy_bufs = {k: torch.empty_like(v) for k, v in self.state.items()}
         self.plain_copy()  # first use touches new pages: untimed
         self.full_saves: list[dict[str, float]] = []
+        self.distinct_chunks: int | None = None
         self.partial: list[dict[str, int]] = []
 
     # timing ----------------------------------------------------------------------------------------------
@@ -143,9 +154,11 @@ class _Bench:
                            zstd_level=cfg.zstd, reuse_unchanged=cfg.reuse_unchanged)
         dcp = Dcp() if "dcp" not in cfg.skip else None
         try:
-            _log("warming the datastates buffer pool (one untimed save) and saving the 100-tensor state")
+            _log("warming the datastates buffer pool (one untimed save)"
+                 + ("" if cfg.shape else " and saving the 100-tensor state"))
             store.save(self.state, branch="main", message="warm-up")
-            v100 = store.save(self.state100, branch="bench100", message="100 tensors")
+            v100 = (store.save(self.state100, branch="bench100", message="100 tensors")
+                    if self.state100 is not None else None)
             if dcp is not None:
                 _mutate(self.state)
                 dcp.async_save(self.state, self.root / "dcp-warm", cached=True).result()  # first staging allocates
@@ -154,7 +167,8 @@ class _Bench:
                 _log(f"repeat {r + 1}/{cfg.repeats}")
                 self.timed("plain_copy", self.size, list(self.copy_bufs.values()), self.plain_copy)
                 self.datastates(store, r)
-                self.load100(store, v100, r)
+                if v100 is not None:
+                    self.load100(store, v100, r)
                 if "torch" not in cfg.skip:
                     self.torch_save_load(r)
                 if "safetensors" not in cfg.skip:
@@ -176,9 +190,22 @@ class _Bench:
         return list(getattr(store.pool, "_free", []))
 
     def _full_save(self, v: Version, store: Store) -> None:
+        import torch
+
         from ..objects.chunks import spans
 
-        chunks = sum(len(spans(t.numel() * t.element_size(), store.chunk_size)) for t in self.state.values())
+        if self.distinct_chunks is None:
+            # Chunks the state holds once each: identical tensors inside one state (26 BatchNorm
+            # num_batches_tracked scalars) are stored once by design, not helped by an earlier save.
+            import blake3
+
+            ids = set()
+            for t in self.state.values():
+                raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None
+                for a, b in spans(t.numel() * t.element_size(), store.chunk_size):
+                    ids.add(blake3.blake3(raw[a:b].data if raw is not None else b"").digest())
+            self.distinct_chunks = len(ids)
+        chunks = self.distinct_chunks
         self.full_saves.append({"chunks_new": v.chunks_new, "chunks": chunks, "bytes_new": v.bytes_new,
                                 "bytes_total": v.bytes_total, **{f"t_{k}": float(x) for k, x in v.timings.items()}})
 
@@ -203,9 +230,18 @@ class _Bench:
         out = self.timed_load("ds_load", size, self.root / "ds", store.load, v)
         if r == 0:
             _check_equal(out, state, "datastates load")
+        del out
+        if self.cfg.shape:
+            # One tensor of the whole state, a different one each repeat (what an analyst reads).
+            one = self.keys[(r * 37 + len(self.keys) // 2) % len(self.keys)]
+            got = self.timed_load("ds_load_one", state[one].numel() * state[one].element_size(), self.root / "ds",
+                                  store.load, v, keys=[one])
+            if r == 0:
+                _check_equal(got, {one: state[one]}, "datastates load of one tensor")
 
     def load100(self, store: Store, v100: Version, r: int) -> None:
         """Cold full load of the 100-tensor state, then of one of its tensors (a different one each repeat)."""
+        assert self.state100 is not None
         self.timed_load("ds_load100_full", self.size100, self.root / "ds", store.load, v100)
         one = list(self.state100)[(r * 37) % 100]
         out = self.timed_load("ds_load100_one", self.state100[one].numel() * 4, self.root / "ds", store.load, v100,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Executor
 from typing import Any, Protocol
 
 import blake3
@@ -28,6 +29,11 @@ from .chunks import CODEC_RAW, CODEC_ZSTD, ChunkLocation, chunk_id
 from .tier import Tier
 
 log = logging.getLogger("datastates")
+
+_RUN_BUFFERS = 1024
+"""At most this many chunks per `preadv` (Linux IOV_MAX)."""
+_RUN_BYTES = 64 << 20
+"""At most this many bytes per merged read, so big states still spread over the executor's threads."""
 
 try:
     from zstandard import ZstdError as _ZstdError
@@ -238,6 +244,87 @@ class ObjectStore:
             for cid, loc in run:
                 self._read_chunk(cid, loc, arr[pos:pos + loc.raw_length].data, key)
                 pos += loc.raw_length
+
+    def read_many_into(self, items: list[tuple[list[bytes], np.ndarray[Any, Any], str]],
+                       executor: Executor | None = None) -> None:
+        """Fill each `(cids, arr, key)` as `read_chunks_into` would, for many tensors at once.
+
+        One catalog lookup for every chunk. Uncompressed chunks stored back to back in one hot pack
+        are read with one `preadv` per run (at most `_RUN_BUFFERS` chunks and `_RUN_BYTES` bytes),
+        straight into the destination arrays, in pack offset order, then each chunk is verified
+        (blake3) unless verification is off. A run that fails in any way is read again chunk by
+        chunk across tiers (fallback, repair, promotion), so the guarantees are those of
+        `read_chunks_into`. A chunk named twice is read once and copied. Runs go to `executor`
+        when there is one and more than 8 MiB to read. Raises NotFoundError, IntegrityError.
+        """
+        cids_all = [c for cids, _, _ in items for c in cids]
+        locs = self.index.chunks(cids_all)
+        first: dict[bytes, memoryview] = {}
+        copies: list[tuple[memoryview, memoryview]] = []
+        reads: list[tuple[bytes, ChunkLocation, memoryview, str]] = []
+        i = 0
+        for cids, arr, key in items:
+            pos = 0
+            for cid in cids:
+                loc = locs[i]
+                i += 1
+                if loc is None:
+                    raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; "
+                                        "run `datastates fsck`")
+                view = arr[pos:pos + loc.raw_length].data
+                if len(view) != loc.raw_length:
+                    raise IntegrityError(f"tensor {key!r}: its chunks hold more bytes than its shape and dtype; "
+                                         "run `datastates fsck`")
+                pos += loc.raw_length
+                if cid in first:
+                    copies.append((first[cid], view))
+                    continue
+                first[cid] = view
+                reads.append((cid, loc, view, key))
+        raw = sorted((r for r in reads if r[1].codec == CODEC_RAW), key=lambda r: (r[1].pack, r[1].offset))
+        runs: list[list[tuple[bytes, ChunkLocation, memoryview, str]]] = []
+        run_bytes = 0
+        for r in raw:
+            prev = runs[-1][-1][1] if runs else None
+            loc = r[1]
+            if (prev is not None and prev.pack == loc.pack and prev.offset + prev.length == loc.offset
+                    and len(runs[-1]) < _RUN_BUFFERS and run_bytes + loc.length <= _RUN_BYTES):
+                runs[-1].append(r)
+                run_bytes += loc.length
+            else:
+                runs.append([r])
+                run_bytes = loc.length
+        runs += [[r] for r in reads if r[1].codec != CODEC_RAW]
+
+        def read(run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> None:
+            if len(run) > 1 and self._read_views(run):
+                return
+            for cid, loc, view, key in run:
+                self._read_chunk(cid, loc, view, key)
+
+        if executor is not None and len(runs) > 1 and sum(len(r[2]) for r in reads) > 8 << 20:
+            for _ in executor.map(read, runs):
+                pass
+        else:
+            for run in runs:
+                read(run)
+        for src, dst in copies:
+            dst[:] = src
+
+    def _read_views(self, run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> bool:
+        """One `preadv` of a run of raw chunks stored back to back in one hot pack into their views,
+        then verify each; False (nothing trusted) if any part fails."""
+        first = run[0][1]
+        try:
+            self.hot.reader.readv_into(first.pack, first.offset, [view for _, _, view, _ in run])
+        except (NotFoundError, IntegrityError, OSError):
+            return False
+        if self.verify:
+            for cid, _, view, _ in run:
+                if chunk_id(view) != cid:
+                    return False
+        self.touch(first.pack)
+        return True
 
     def _read_run(self, run: list[tuple[bytes, ChunkLocation]], out: memoryview) -> bool:
         """One read for chunks stored back to back in one hot pack, then verify each; False (nothing

@@ -84,6 +84,7 @@ class PackWriter:
         self.size = 0
         """Logical bytes so far (offset of the next chunk)."""
         self._bounce = aligned_empty(_BOUNCE) if self.direct else None
+        self._bounce_view = self._bounce.data if self._bounce is not None else memoryview(b"")
         self._held = 0
         self._append(HEADER)
 
@@ -101,9 +102,10 @@ class PackWriter:
             self.size += len(view)
             return
         pos = 0
+        bounce = self._bounce_view
         while pos < len(view):
             n = min(len(view) - pos, _BOUNCE - self._held)
-            self._bounce[self._held:self._held + n] = np.frombuffer(view[pos:pos + n], dtype=np.uint8)
+            bounce[self._held:self._held + n] = view[pos:pos + n]  # a memcpy, no array object per chunk
             self._held += n
             pos += n
             self.size += n
@@ -248,6 +250,28 @@ class PackReader:
             if n == 0:
                 raise IntegrityError(f"pack {loc.pack} is shorter than its index says (offset {loc.offset})")
             got += n
+
+    def readv_into(self, pack: str, offset: int, outs: list[memoryview]) -> None:
+        """Read the stored bytes at `offset` onward into `outs`, in order, back to back: one `preadv`
+        when the kernel returns everything (the common case), more calls for the rest otherwise.
+        Raises IntegrityError when the pack ends early, NotFoundError when it is missing."""
+        fd = self._fd(pack)
+        total = sum(len(o) for o in outs)
+        got = os.preadv(fd, outs, offset) if outs else 0
+        if got == total:
+            return
+        pos = 0
+        for o in outs:  # a short read: finish buffer by buffer
+            if pos + len(o) <= got:
+                pos += len(o)
+                continue
+            done = max(0, got - pos)
+            while done < len(o):
+                n = os.preadv(fd, [o[done:]], offset + pos + done)
+                if n == 0:
+                    raise IntegrityError(f"pack {pack} is shorter than its index says (offset {offset + pos})")
+                done += n
+            pos += len(o)
 
     def forget(self, pack: str) -> None:
         """Close a pack's file (before it is deleted)."""

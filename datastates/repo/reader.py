@@ -94,21 +94,35 @@ def rank_for(v: Version, comm: Comm, keys: Iterable[str] | str | None) -> tuple[
 
 
 def _read_rows(repo: Repository, m: Manifest, rows: list[int], executor: Executor | None) -> dict[int, torch.Tensor]:
-    total = sum(m.rows[i]["nbytes"] for i in rows)
-    if executor is not None and len(rows) > 1 and total > 8 << 20:
-        return dict(zip(rows, executor.map(lambda i: read_row(repo, m, i), rows)))
-    return {i: read_row(repo, m, i) for i in rows}
+    """Tensor rows `rows` of `m`, read together: every tensor is allocated first, then the object store
+    reads all their chunks at once (one catalog lookup, one `preadv` per run of chunks stored back to
+    back), straight into the tensors' storage, verified."""
+    out: dict[int, torch.Tensor] = {}
+    items = []
+    for i in rows:
+        t, flat = _empty_row(m, i)
+        out[i] = t
+        items.append((m.rows[i]["chunks"], flat.numpy(), m.rows[i]["key"]))
+    repo.objects.read_many_into(items, executor)
+    return out
 
 
-def read_row(repo: Repository, m: Manifest, i: int) -> torch.Tensor:
-    """Tensor row `i` of manifest `m`, read and verified. Raises IntegrityError, NotFoundError."""
+def _empty_row(m: Manifest, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An uninitialised tensor for row `i` of `m` and a flat uint8 view of its bytes.
+    Raises IntegrityError when the row's byte count does not fit its dtype and shape."""
     r = m.rows[i]
     out = torch.empty(r["shape"], dtype=dtype_from_name(r["dtype"]))
     flat = out.reshape(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
     if flat.numel() != r["nbytes"]:
         raise IntegrityError(f"tensor {r['key']!r} in manifest {m.id[:12]}: {r['nbytes']} bytes stored for "
                              f"dtype {r['dtype']} shape {r['shape']}; run `datastates fsck`")
-    repo.objects.read_chunks_into(r["chunks"], flat.numpy(), r["key"])
+    return out, flat
+
+
+def read_row(repo: Repository, m: Manifest, i: int) -> torch.Tensor:
+    """Tensor row `i` of manifest `m`, read and verified. Raises IntegrityError, NotFoundError."""
+    out, flat = _empty_row(m, i)
+    repo.objects.read_chunks_into(m.rows[i]["chunks"], flat.numpy(), m.rows[i]["key"])
     return out
 
 
@@ -188,7 +202,20 @@ def _key_selector(keys: list[str], existing: list[str], v: Version) -> Any:
             raise NotFoundError(f"version {v.short} has no key {k!r}; `datastates ls {v.short}` lists its keys")
         pats.append(k)
 
+    # Exact keys (the common case) are set lookups of the path and its ancestors: one load of one
+    # tensor out of thousands must not run fnmatch on every row. Patterns keep the general test.
+    globs = [k for k in pats if any(c in k for c in "*?[")]
+    exact = set(pats) - set(globs)
+
     def select(path: str) -> bool:
-        return any(path == k or path.startswith(k + ".") or fnmatch.fnmatchcase(path, k) for k in pats)
+        if path in exact:
+            return True
+        if exact:
+            i = path.rfind(".")
+            while i > 0:
+                if path[:i] in exact:
+                    return True
+                i = path.rfind(".", 0, i)
+        return any(path == k or path.startswith(k + ".") or fnmatch.fnmatchcase(path, k) for k in globs)
 
     return select

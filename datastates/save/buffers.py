@@ -33,6 +33,8 @@ class Slot:
     pieces: list[Piece] = field(default_factory=list)
     used: int = 0
     event: Any = None
+    borrowed: bool = False
+    """`buf` is the caller's own tensor bytes (a synchronous save reads them in place): never pooled."""
 
 
 class BufferPool:
@@ -76,6 +78,8 @@ class BufferPool:
         return Slot(buf), time.perf_counter() - t0
 
     def release(self, slot: Slot) -> None:
+        if slot.borrowed:
+            return  # the caller's memory, not one of ours
         with self._cv:
             self._free.append(slot.buf)
             self._cv.notify()

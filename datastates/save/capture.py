@@ -42,13 +42,24 @@ class CaptureOrder:
             self._cv.notify_all()
 
 
-def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: CaptureOrder | None = None) -> None:
+BORROW_MIN = 1 << 20
+"""With `borrow`, host tensors of at least this many bytes are read in place, not copied."""
+
+
+def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: CaptureOrder | None = None,
+            borrow: bool = False) -> None:
     """Copy every stored byte of the job into pool slots, handing each full slot to the pipeline.
+
+    With `borrow` (a synchronous save: the caller waits until the version is durable, so its
+    tensors cannot change under us) a host tensor of at least `BORROW_MIN` bytes is handed over in
+    place, as a slot of its own that is never pooled: hashing, statistics and the pack write read
+    the caller's memory, and a chunk the store already has costs no copy at all.
 
     Always ends the job's slot stream (with None), even on error.
     """
     waited = order.wait_turn(job.ticket) if order is not None else 0.0
     slot: Slot | None = None
+    batch: list[tuple[int, int, torch.Tensor]] = []  # host copies into the current slot, done at hand-over
     t0 = time.perf_counter()
     try:
         if cuda_stream is not None:
@@ -58,24 +69,32 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
                 continue
             src = e.source
             on_gpu = src.device.type == "cuda"
-            for a, b in spans(e.nbytes, job.chunk_size):
+            nbytes = e.nbytes
+            if borrow and not on_gpu and nbytes >= BORROW_MIN and src.is_contiguous():
+                lent = Slot(src, [Piece(row, a, b - a) for a, b in spans(nbytes, job.chunk_size)], nbytes,
+                            borrowed=True)
+                _hand_over(job, lent, None)
+                continue
+            for a, b in ((0, nbytes),) if nbytes <= job.chunk_size else spans(nbytes, job.chunk_size):
                 n = b - a
                 if slot is None or slot.used + n > pool.slot_bytes:
                     if slot is not None:
+                        _copy_batch(slot, batch)
                         _hand_over(job, slot, cuda_stream)
                     slot, w = pool.acquire(job.go.set)
                     waited += w
                 if n:
-                    dst = slot.buf[slot.used:slot.used + n]
                     if on_gpu:
+                        dst = slot.buf[slot.used:slot.used + n]
                         with torch.cuda.stream(cuda_stream):
                             dst.copy_(src[a:b], non_blocking=True)
                             src.record_stream(cuda_stream)
                     else:
-                        dst.copy_(src[a:b])
+                        batch.append((slot.used, n, src if n == nbytes else src[a:b]))
                 slot.pieces.append(Piece(row, slot.used, n))
                 slot.used += -(-n // _ALIGN) * _ALIGN
         if slot is not None:
+            _copy_batch(slot, batch)
             _hand_over(job, slot, cuda_stream)
         if cuda_stream is not None:
             # Later kernels on the caller's stream (optimizer steps) wait for our copies.
@@ -94,6 +113,30 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
         job.handle._set_staged()
         if order is not None:
             order.done(job.ticket)
+
+
+def _copy_batch(slot: Slot, batch: list[tuple[int, int, torch.Tensor]]) -> None:
+    """Copy the pending host pieces `(offset, length, source bytes)` into `slot` and empty `batch`.
+
+    One `split` and one `_foreach_copy_` for the whole slot: with thousands of small tensors the
+    per-piece Python slicing and copy calls cost as much as the copying itself."""
+    if len(batch) == 1:
+        off, n, src = batch[0]
+        slot.buf[off:off + n].copy_(src)
+    elif batch:
+        sizes: list[int] = []
+        take: list[bool] = []
+        start = pos = batch[0][0]
+        for off, n, _ in batch:
+            if off > pos:  # alignment padding between pieces
+                sizes.append(off - pos)
+                take.append(False)
+            sizes.append(n)
+            take.append(True)
+            pos = off + n
+        parts = slot.buf[start:pos].split(sizes)
+        torch._foreach_copy_([p for p, keep in zip(parts, take) if keep], [src for _, _, src in batch])
+    batch.clear()
 
 
 def _hand_over(job: SaveJob, slot: Slot, cuda_stream: Any) -> None:

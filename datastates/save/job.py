@@ -118,5 +118,8 @@ class SaveJob:
     """For a collective save: its `save.collective.DistPlan` (None on one process)."""
     failure: BaseException | None = None
     """A collective save's own failure, carried to the commit so every rank hears of it."""
+    known_stats: dict[int, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)
+    """Row -> (chunk id, stats) of the single-chunk tensor this store last saved under the row's key with
+    the same dtype: a piece that hashes to that id has those stats, so they are not computed again."""
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""

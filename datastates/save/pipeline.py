@@ -33,11 +33,14 @@ from .tree import TensorEntry
 if TYPE_CHECKING:
     pass
 
-Hashed = list[tuple[bytes, Partial | None, bytes | None]]
+Stats = Partial | dict[str, Any] | None
+"""A piece's statistics: computed (Partial), known from an earlier save of the same bytes (dict), or none."""
+Hashed = list[tuple[bytes, Stats, bytes | None]]
 
 
 def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
-               has_chunks: Callable[[list[bytes]], list[bool]] | None = None) -> Hashed:
+               has_chunks: Callable[[list[bytes]], list[bool]] | None = None,
+               known: dict[int, tuple[bytes, dict[str, Any]]] | None = None) -> Hashed:
     if slot.event is not None:
         slot.event.synchronize()
     out = []
@@ -48,7 +51,13 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     for p, cid, have in zip(slot.pieces, cids, stored):
         mv = arr[p.start:p.start + p.length].data
         e = entries[p.row]
-        st = partial(slot.buf[p.start:p.start + p.length], e.dtype) if e.kind == "tensor" else None
+        st: Stats = None
+        if e.kind == "tensor":
+            k = known.get(p.row) if known else None
+            if k is not None and k[0] == cid and p.length == e.nbytes:
+                st = k[1]
+            else:
+                st = partial(slot.buf[p.start:p.start + p.length], e.dtype)
         packed = None
         if zstd_level and p.length >= 4096 and not have:
             import zstandard
@@ -139,14 +148,15 @@ class Pipeline:
                 self.pool.release(slot)
 
     def _process(self, job: SaveJob) -> None:
-        window: deque[tuple[Slot, Future[list[tuple[bytes, Partial | None, bytes | None]]]]] = deque()
+        window: deque[tuple[Slot, Future[Hashed]]] = deque()
         job.go.wait()
         t0 = time.perf_counter()
         try:
             while (slot := job.slots.get()) is not None:
                 # The workers only ask whether compressing is worth it: no job, nothing pinned.
                 window.append((slot, self._workers.submit(_hash_slot, slot, job.entries, self.zstd_level,
-                                                          functools.partial(self._has_chunks, None))))
+                                                          functools.partial(self._has_chunks, None),
+                                                          job.known_stats)))
                 # Hash the next slot while writing this one, but never sit on slots waiting for more:
                 # the capture may need them back to go on (pool smaller than the state).
                 while window and (len(window) >= 2 or job.slots.empty()):
@@ -166,7 +176,7 @@ class Pipeline:
         for row, p in job.partials.items():
             job.entries[row].stats = p.final()
 
-    def _write(self, job: SaveJob, slot: Slot, fut: Future[list[tuple[bytes, Partial | None, bytes | None]]]) -> None:
+    def _write(self, job: SaveJob, slot: Slot, fut: Future[Hashed]) -> None:
         try:
             results = fut.result()
             known = self._has_chunks(job, [cid for cid, _, _ in results])
@@ -174,7 +184,9 @@ class Pipeline:
             for piece, (cid, st, packed), have in zip(slot.pieces, results, known):
                 e = job.entries[piece.row]
                 e.chunks.append(cid)
-                if st is not None:
+                if isinstance(st, dict):
+                    e.stats = dict(st)
+                elif st is not None:
                     job.partials.setdefault(piece.row, Partial()).merge(st)
                 if have or cid in job.new_chunks:
                     continue

@@ -62,6 +62,7 @@ class Saver:
                       ticket=self._capture_order.ticket(), dist=dist)
         if reuse_unchanged and dist is None:
             self._reuse_unchanged(job)
+        self._known_stats(job)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
         stream = self._stream_for(entries)
@@ -72,7 +73,8 @@ class Saver:
             threading.Thread(target=self._capture_quietly, args=(job, stream), name="datastates-capture",
                              daemon=True).start()
         else:
-            capture(job, self.pool, stream, self._capture_order)
+            # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
+            capture(job, self.pool, stream, self._capture_order, borrow=overlap and dist is None)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
 
@@ -81,6 +83,18 @@ class Saver:
         for e in job.entries:
             if e.kind == "tensor" and e.sig is not None:
                 self.last_saved[e.key] = (e.sig, list(e.chunks), dict(e.stats), job.chunk_size)
+
+    def _known_stats(self, job: SaveJob) -> None:
+        """Offer the pipeline the stats of each single-chunk tensor as last saved under its key with the
+        same dtype and chunk size: same chunk id (blake3 of the bytes) + same dtype = same statistics,
+        so a partly changed state pays for the statistics of its changed tensors only."""
+        last_saved = self.last_saved
+        for row, e in enumerate(job.entries):
+            if e.kind != "tensor" or e.source is None:
+                continue
+            last = last_saved.get(e.key)
+            if last is not None and len(last[1]) == 1 and last[3] == job.chunk_size and last[0][2] == e.dtype:
+                job.known_stats[row] = (last[1][0], last[2])
 
     def _reuse_unchanged(self, job: SaveJob) -> None:
         """Point untouched tensors at the chunks and stats this store saved for them last time."""

@@ -9,6 +9,7 @@ on (packed float4, ...) get no statistics.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -83,9 +84,47 @@ def partial(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
         x = x[finite]
         if x.numel() == 0:
             return p
+        if x.dtype != torch.float64:  # finite values whose sum or squares overflow fp32
+            x = x.to(torch.float64)
         total, sq, (lo, hi) = float(x.sum()), float(torch.dot(x, x)), torch.aminmax(x)
     p.n = x.numel()
     p.mean = total / p.n
-    p.m2 = max(sq - total * p.mean, 0.0)
+    p.m2 = sq - total * p.mean
+    if not p.m2 > _SAFE * sq:
+        # sum(x^2) - n*mean^2 cancels when the spread is tiny next to the mean (a BatchNorm weight of
+        # 1.0 +- 1e-5 in fp32 keeps no digit of its std that way): centre first, and correct for the
+        # mean being rounded to x's dtype with the residual sum (the shifted-data algorithm).
+        resid, p.m2 = _centred(x, p.mean)
+        p.m2 = max(p.m2 - resid * resid / p.n, 0.0)
+        p.mean += resid / p.n
     p.lo, p.hi = float(lo), float(hi)
     return p
+
+
+_SAFE = 1e-2
+"""Above this share of sum(x^2) the one-pass m2 keeps >= ~4 significant digits of the std in fp32
+(the error of sum(x^2) is a few ulps of it); below, `partial` recomputes m2 centred."""
+
+_BLOCK = 1 << 18
+_scratch = threading.local()
+
+
+def _centred(x: torch.Tensor, mean: float) -> tuple[float, float]:
+    """(sum(x - mean), sum((x - mean)^2)), through a reused per-thread block: no new pages for big chunks."""
+    if x.numel() <= _BLOCK:
+        d = x - mean
+        return float(d.sum()), float(torch.dot(d, d))
+    bufs = getattr(_scratch, "bufs", None)
+    if bufs is None:
+        bufs = _scratch.bufs = {}
+    buf = bufs.get(x.dtype)
+    if buf is None:
+        buf = bufs[x.dtype] = torch.empty(_BLOCK, dtype=x.dtype)
+    resid = m2 = 0.0
+    for a in range(0, x.numel(), _BLOCK):
+        part = x[a:a + _BLOCK]
+        d = buf[:part.numel()]
+        torch.sub(part, mean, out=d)
+        resid += float(d.sum())
+        m2 += float(torch.dot(d, d))
+    return resid, m2

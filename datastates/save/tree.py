@@ -145,7 +145,9 @@ class Flattener:
                 raise UnsupportedValueError(f"two values map to the key path {path!r}; rename one of the keys")
             self._paths.add(path)
             node: dict[str, Any] = {"t": "tensor", "i": len(self._tensors)}
-            if isinstance(v, torch.nn.Parameter):
+            # `type is`, not isinstance: Parameter's metaclass makes isinstance ~15 us a call, and
+            # _check_tensor admits exactly Tensor and Parameter.
+            if type(v) is torch.nn.Parameter:
                 node["param"] = bool(v.requires_grad)
             elif v.requires_grad:
                 node["grad"] = True  # a learned plain tensor (SAC's log_alpha) must come back trainable
@@ -196,15 +198,26 @@ class Flattener:
 
     def _assign_rows(self) -> None:
         # Tensors sharing a storage (tied weights, views) must come back sharing it.
-        groups: dict[tuple[str, int], list[int]] = {}
+        # One pass of torch calls per tensor (thousands of small tensors make each call count).
+        groups: dict[tuple[Any, int], list[int]] = {}
+        keys: list[tuple[Any, int] | None] = []
         for i, (_, t) in enumerate(self._tensors):
-            if t.numel() and t.untyped_storage().nbytes():
-                groups.setdefault((str(t.device), t.untyped_storage().data_ptr()), []).append(i)
+            key = None
+            if t.numel():
+                storage = t.untyped_storage()
+                if storage.nbytes():
+                    key = (t.device, storage.data_ptr())
+                    groups.setdefault(key, []).append(i)
+            keys.append(key)
         row_of: dict[int, int] = {}
         for i, (path, t) in enumerate(self._tensors):
             if i in row_of:
                 continue
-            members = groups.get((str(t.device), t.untyped_storage().data_ptr()), [i]) if t.numel() else [i]
+            key = keys[i]
+            members = groups[key] if key is not None else [i]
+            if len(members) == 1:
+                row_of[i] = self._add_tensor(path, t)
+                continue
             sig = {(m_t.dtype, m_t.storage_offset(), tuple(m_t.shape), m_t.stride())
                    for m_t in (self._tensors[m][1] for m in members)}
             if len(sig) == 1:
@@ -229,9 +242,10 @@ class Flattener:
 
     def _add_tensor(self, path: str, t: torch.Tensor) -> int:
         src = _bytes_of(t)
-        sig = (t.data_ptr(), t._version, t.dtype, tuple(t.shape), tuple(t.stride()), str(t.device))
-        self.entries.append(TensorEntry(path, t.dtype, tuple(t.shape), str(t.device), "tensor", source=src,
-                                        nbytes=src.numel(), sig=sig))
+        dev, shape = str(t.device), tuple(t.shape)
+        sig = (t.data_ptr(), t._version, t.dtype, shape, tuple(t.stride()), dev)
+        self.entries.append(TensorEntry(path, t.dtype, shape, dev, "tensor", source=src, nbytes=src.numel(),
+                                        sig=sig))
         return len(self.entries) - 1
 
 

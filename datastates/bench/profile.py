@@ -1,0 +1,74 @@
+"""A target for profilers: one path of a save or load on a `--shape` state, repeated.
+
+    python -m datastates.bench.profile --shape small --path save --repeats 5
+    py-spy record --native -o save.svg -- .venv/bin/python -m datastates.bench.profile --shape small --path save
+    pyinstrument -m datastates.bench.profile --shape cnn --path load
+
+Paths: `save` (sync, durable), `async` (the blocking part of save_async; each save waits for the previous
+one before the next starts), `load` (full), `one` (one tensor of the state), `partial` (sync save with
+10 % of the tensors changed). The state is mutated (`add_(1)`) before every save so every save writes
+new bytes, as in `datastates bench`. Prints the median seconds of the path; files go to a fresh directory
+under --dir (default: the current directory), removed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .peers import _mutate
+from .shapes import SHAPES, build
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the chosen path `--repeats` times; print per-run and median seconds. Returns 0."""
+    p = argparse.ArgumentParser(prog="python -m datastates.bench.profile")
+    p.add_argument("--shape", choices=SHAPES, default="small")
+    p.add_argument("--scale", type=float, default=0.25)
+    p.add_argument("--path", choices=("save", "async", "load", "one", "partial"), default="save")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", default=".")
+    args = p.parse_args(argv)
+    from ..store import Store
+
+    state = build(args.shape, args.scale)
+    size = sum(t.numel() * t.element_size() for t in state.values())
+    keys = list(state)
+    root = Path(tempfile.mkdtemp(prefix=".datastates-profile-", dir=args.dir))
+    times: list[float] = []
+    try:
+        store = Store.open(root / "ds", pool_bytes=2 * size)
+        v = store.save(state, branch="main")
+        for r in range(args.repeats):
+            if args.path in ("save", "async"):
+                _mutate(state)
+            elif args.path == "partial":
+                n = max(1, len(keys) // 10)
+                _mutate(state, keys[r * n % len(keys):][:n])
+            t0 = time.perf_counter()
+            if args.path in ("save", "partial"):
+                v = store.save(state, branch="main")
+            elif args.path == "async":
+                h = store.save_async(state, branch="main")
+                times.append(time.perf_counter() - t0)
+                v = h.result()
+                continue
+            elif args.path == "load":
+                store.load(v)
+            else:
+                store.load(v, keys=[keys[(r * 37) % len(keys)]])
+            times.append(time.perf_counter() - t0)
+        store.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{args.shape} x{args.scale:g} ({len(state)} tensors, {size / 2**20:.0f} MiB) {args.path}: "
+          f"median {statistics.median(times):.4f} s; " + " ".join(f"{t:.4f}" for t in times))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,115 @@
+"""Per-tensor statistics: numerically stable std, chunk merging, NaN/Inf counts; values against torch in fp64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import datastates as ds
+from datastates.save.stats import Partial, partial
+
+
+def _stats_of(x: torch.Tensor, pieces: int = 1) -> dict:
+    raw = x.reshape(-1).view(torch.uint8)
+    step = -(-x.numel() // pieces) * x.element_size()
+    p = Partial()
+    for a in range(0, raw.numel(), step):
+        p.merge(partial(raw[a:a + step], x.dtype))
+    return p.final()
+
+
+def test_std_of_batchnorm_like_weight_near_one_matches_fp64() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (1.0 + 1e-5 * torch.randn(4096, generator=g)).float()
+    want = x.double()
+    for pieces in (1, 3):
+        st = _stats_of(x, pieces)
+        assert st["std"] == pytest.approx(float(want.std()), rel=1e-4)
+        assert st["mean"] == pytest.approx(float(want.mean()), rel=1e-7)  # fp32 resolution
+        assert st["l2"] == pytest.approx(float(want.norm()), rel=1e-6)
+
+
+def test_std_of_large_chunk_near_constant_goes_through_blocks() -> None:
+    # More elements than one scratch block: the centred pass runs block by block.
+    g = torch.Generator().manual_seed(1)
+    x = (1000.0 + 1e-2 * torch.randn(600_000, generator=g)).float()
+    st = _stats_of(x)
+    assert st["std"] == pytest.approx(float(x.double().std()), rel=1e-4)
+    assert st["min"] == float(x.min()) and st["max"] == float(x.max())
+
+
+def test_stats_of_ordinary_and_integer_tensors() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(10_000, generator=g)
+    st = _stats_of(x, 4)
+    assert st["std"] == pytest.approx(float(x.double().std()), rel=1e-5)
+    i = torch.arange(1000, dtype=torch.int64) + 10**12
+    st = _stats_of(i, 2)
+    assert st["std"] == pytest.approx(float(i.double().std()), rel=1e-9)
+    assert st["mean"] == pytest.approx(float(i.double().mean()), rel=1e-12)
+
+
+def test_nan_inf_counted_apart_and_overflowing_squares() -> None:
+    x = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 3.0])
+    st = _stats_of(x)
+    assert (st["nan_count"], st["inf_count"], st["min"], st["max"], st["mean"]) == (1, 2, 1.0, 3.0, 2.0)
+    big = torch.tensor([3e38, -3e38, 3e38], dtype=torch.float32)  # squares overflow fp32
+    st = _stats_of(big)
+    assert st["inf_count"] == 0
+    assert st["std"] == pytest.approx(float(big.double().std()), rel=1e-6)
+
+
+def test_saved_std_of_batchnorm_weight_is_stable(tmp_path: Path) -> None:
+    bn = torch.nn.BatchNorm1d(2048)
+    with torch.no_grad():
+        bn.weight.copy_(1.0 + 1e-6 * torch.randn(2048, generator=torch.Generator().manual_seed(3)))
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save({"bn": bn})
+        row = store.history("bn.weight", v.id).to_pylist()[-1]
+    assert row["std"] == pytest.approx(float(bn.weight.detach().double().std()), rel=1e-3)
+
+
+def test_unchanged_tensors_keep_their_stats_and_changed_ones_are_recomputed(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    st = {f"w{i}": torch.randn(1000 + i, generator=g) for i in range(20)}
+    with ds.Store.open(tmp_path / "s") as store:
+        v1 = store.save(st)
+        st["w3"] = st["w3"] + 1.0
+        st["w7"] = st["w7"].view(torch.int32)  # same bytes, another dtype: its stats must be recomputed
+        v2 = store.save(st)
+        fields = ("min", "max", "mean", "std", "l2", "nan_count", "inf_count")
+        rows1 = {r["key"]: {f: r[f] for f in fields} for r in store.manifest(v1.manifests["0"]).rows}
+        rows2 = {r["key"]: {f: r[f] for f in fields} for r in store.manifest(v2.manifests["0"]).rows}
+    for k, t in st.items():
+        x = t.double()
+        assert rows2[k]["mean"] == pytest.approx(float(x.mean()), rel=1e-5, abs=1e-6), k
+        assert rows2[k]["std"] == pytest.approx(float(x.std()), rel=1e-4), k
+        assert rows2[k]["max"] == float(x.max()), k
+    assert rows2["w0"] == rows1["w0"]
+    assert rows2["w3"]["mean"] == pytest.approx(rows1["w3"]["mean"] + 1.0, rel=1e-5)
+    assert rows2["w7"]["mean"] != rows1["w7"]["mean"]
+
+
+def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import datastates.save.pipeline as pipeline
+
+    calls: list[torch.dtype] = []
+    real = pipeline.partial
+
+    def counting(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
+        calls.append(dtype)
+        return real(raw, dtype)
+
+    monkeypatch.setattr(pipeline, "partial", counting)
+    g = torch.Generator().manual_seed(5)
+    st = {f"w{i}": torch.randn(500, generator=g) for i in range(30)}
+    with ds.Store.open(tmp_path / "s") as store:
+        store.save(st)
+        assert len(calls) == 30
+        calls.clear()
+        st["w5"].add_(1)
+        st["w9"] = st["w9"].view(torch.int32)
+        store.save(st)
+    assert sorted(map(str, calls)) == ["torch.float32", "torch.int32"]
