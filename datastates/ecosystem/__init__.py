@@ -1,0 +1,1 @@
+"""Integrations with the PyTorch ecosystem (Lightning, Hugging Face). Each imports its framework lazily."""
