@@ -1,0 +1,102 @@
+"""A Hugging Face `TrainerCallback` that saves every checkpoint the Trainer makes into the store, and
+the way back: a version written out as a checkpoint directory the Trainer resumes from.
+
+    import datastates as ds
+    from datastates.ecosystem.hf import DataStatesCallback, checkpoint_dir
+
+    store = ds.Store.open("runs/store")
+    trainer = Trainer(model=model, args=args, train_dataset=ds_train, callbacks=[DataStatesCallback(store, "run-1")])
+    trainer.train()
+    trainer.train(resume_from_checkpoint=checkpoint_dir(store, "run-1~2", "runs/resume"))
+
+Each `on_save` becomes a version on the branch: the model's, optimizer's and scheduler's state dicts and
+the TrainerState (as plain JSON), step = `global_step`, epoch = the whole epochs done, metrics = the
+latest value of each number in the log history (loss, learning_rate, eval_*), hparams = the
+TrainingArguments' plain values. Saves are asynchronous; `on_train_end` waits for them. Nothing is
+pickled into the store; `checkpoint_dir` writes `pytorch_model.bin`, `optimizer.pt` and `scheduler.pt`
+with torch.save (tensors and plain containers only, which the Trainer reads with `weights_only=True`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ..errors import NotFoundError
+from ..meta.refs import check_name
+from ..save.job import SaveHandle
+from ..store import Store
+
+
+def _plain(args: Any) -> dict[str, Any]:
+    """The TrainingArguments values that are plain numbers, strings or bools (what hparams hold)."""
+    out = {}
+    for k, v in args.to_sanitized_dict().items():
+        if isinstance(v, bool | int | str) or (isinstance(v, float) and math.isfinite(v)):
+            out[k] = v
+    return out
+
+
+def _latest_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for entry in log_history:
+        for k, v in entry.items():
+            number = isinstance(v, int | float) and not isinstance(v, bool)
+            if k not in ("step", "epoch") and number and math.isfinite(v):
+                out[k] = float(v)
+    return out
+
+
+class DataStatesCallback(TrainerCallback):  # type: ignore[misc]
+    """Saves each Trainer checkpoint as a version of `branch` (see the module docstring)."""
+
+    def __init__(self, store: Store, branch: str = "main") -> None:
+        check_name(branch, "branch")
+        self.store, self.branch = store, branch
+        self.handles: list[SaveHandle] = []
+
+    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                lr_scheduler: Any = None, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        snapshot: dict[str, Any] = {"model": model.state_dict() if model is not None else {},
+                                    "trainer_state": json.loads(json.dumps(dataclasses.asdict(state), default=str))}
+        if optimizer is not None:
+            snapshot["optimizer"] = optimizer.state_dict()
+        if lr_scheduler is not None:
+            snapshot["scheduler"] = lr_scheduler.state_dict()
+        self.handles.append(self.store.save_async(
+            snapshot, branch=self.branch, step=int(state.global_step), epoch=int(math.floor(state.epoch or 0)),
+            hparams=_plain(args), metrics=_latest_metrics(state.log_history),
+            message=f"checkpoint-{state.global_step}"))
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        handles, self.handles = self.handles, []
+        for h in handles:
+            h.result()
+
+
+def checkpoint_dir(store: Store, ref: Any, out: str | os.PathLike[str]) -> Path:
+    """Write version `ref` (saved by DataStatesCallback) as a Trainer checkpoint directory under `out`
+    and return it, for `trainer.train(resume_from_checkpoint=...)`. Raises NotFoundError when the
+    version was not saved by the callback."""
+    state = store.load(ref)
+    if not isinstance(state, dict) or "trainer_state" not in state or "model" not in state:
+        raise NotFoundError(f"version {ref!r} was not saved by DataStatesCallback (no model/trainer_state)")
+    trainer_state = state["trainer_state"]
+    path = Path(out) / f"checkpoint-{trainer_state.get('global_step', 0)}"
+    path.mkdir(parents=True, exist_ok=True)
+    torch.save({k: v.contiguous() for k, v in state["model"].items()}, path / "pytorch_model.bin")
+    if "optimizer" in state:
+        torch.save(state["optimizer"], path / "optimizer.pt")
+    if "scheduler" in state:
+        torch.save(state["scheduler"], path / "scheduler.pt")
+    (path / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
+    return path

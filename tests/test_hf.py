@@ -1,0 +1,82 @@
+"""The Hugging Face Trainer callback: every Trainer checkpoint becomes a version (step, epoch, metrics
+from the logs, hparams from TrainingArguments), and a version written back as a checkpoint directory
+resumes the Trainer to exactly the losses of the uninterrupted run. The model is built here; nothing is
+downloaded."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import datastates as ds
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+from transformers import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+from datastates.ecosystem.hf import DataStatesCallback, checkpoint_dir  # noqa: E402
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+        out = self.net(x)
+        return {"loss": None if labels is None else ((out - labels) ** 2).mean(), "logits": out}
+
+
+class Losses(TrainerCallback):  # type: ignore[misc]
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, float]] = []
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kw: Any) -> None:
+        if logs and "loss" in logs:
+            self.seen.append((state.global_step, logs["loss"]))
+
+
+def _data() -> list[dict[str, torch.Tensor]]:
+    x = torch.randn(64, 4, generator=torch.Generator().manual_seed(0))
+    return [{"x": x[i], "labels": x[i].sum(0, keepdim=True)} for i in range(64)]
+
+
+def _args(out: Path) -> Any:
+    return TrainingArguments(output_dir=str(out), max_steps=12, per_device_train_batch_size=8, learning_rate=0.05,
+                             logging_steps=1, save_strategy="steps", save_steps=4, report_to=[], use_cpu=True,
+                             seed=0, disable_tqdm=True, dataloader_num_workers=0, log_level="error")
+
+
+def test_each_checkpoint_is_a_version_and_a_resume_continues_exactly(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s") as store:
+        torch.manual_seed(0)
+        full = Losses()
+        Trainer(model=Tiny(), args=_args(tmp_path / "a"), train_dataset=_data(),
+                callbacks=[DataStatesCallback(store, "run"), full]).train()
+        versions = list(reversed(store.log("run")))
+        assert [v.step for v in versions] == [4, 8, 12]
+        assert [v.epoch for v in versions] == [0, 1, 1]  # 8 steps make an epoch of 64 samples
+        assert all("loss" in v.metrics and "learning_rate" in v.metrics for v in versions)
+        assert versions[0].hparams["learning_rate"] == 0.05 and versions[0].hparams["seed"] == 0
+        state = store.load("run~1")
+        assert state["trainer_state"]["global_step"] == 8 and "net.weight" in state["model"]
+
+        ck = checkpoint_dir(store, "run~1", tmp_path / "resume")
+        assert sorted(p.name for p in ck.iterdir()) == ["optimizer.pt", "pytorch_model.bin", "scheduler.pt",
+                                                         "trainer_state.json"]
+        torch.manual_seed(1)  # other initial weights: everything must come from the checkpoint
+        resumed = Losses()
+        Trainer(model=Tiny(), args=_args(tmp_path / "b"), train_dataset=_data(),
+                callbacks=[resumed]).train(resume_from_checkpoint=str(ck))
+        assert resumed.seen == [s for s in full.seen if s[0] > 8]  # steps 9..12, the same losses
+
+
+def test_a_version_not_saved_by_the_callback_is_refused(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s") as store:
+        store.save({"w": torch.ones(2)})
+        with pytest.raises(ds.NotFoundError, match="DataStatesCallback"):
+            checkpoint_dir(store, "main", tmp_path / "out")
