@@ -37,7 +37,15 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> object:
-    # `ds.dcp` imports torch.distributed.checkpoint only when asked for.
+    # `ds.dcp` imports torch.distributed.checkpoint only when asked for; the ecosystem parts likewise.
+    if name in ("import_checkpoints", "export"):
+        from .ecosystem import transfer
+
+        return getattr(transfer, name)
+    if name == "CheckpointManager":
+        from .ecosystem.manager import CheckpointManager
+
+        return CheckpointManager
     if name == "dcp":
         import importlib
 
@@ -52,4 +60,5 @@ __all__ = [
     "SaveFailedError",
     "SaveHandle", "ShapeMismatchError", "StorageFullError", "Store", "StoreClosedError", "StoreFormatError",
     "TensorInfo", "UnsupportedValueError", "Version", "__version__",
+    "CheckpointManager", "import_checkpoints", "export",
 ]

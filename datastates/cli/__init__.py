@@ -16,9 +16,9 @@ from typing import Any
 
 from ..errors import DataStatesError
 from ..store import Store
-from . import inspect, maintenance, programs, refs, serve, tiers
+from . import inspect, maintenance, programs, refs, serve, tiers, transfer
 
-GROUPS = (maintenance, inspect, refs, tiers, programs, serve)
+GROUPS = (maintenance, inspect, refs, tiers, transfer, programs, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,7 @@ from transformers import TrainerCallback
 
 from ..errors import NotFoundError
 from ..meta.refs import check_name
+from ..save.foreign import latest_numbers
 from ..save.job import SaveHandle
 from ..store import Store
 
@@ -41,16 +42,6 @@ def _plain(args: Any) -> dict[str, Any]:
     for k, v in args.to_sanitized_dict().items():
         if isinstance(v, bool | int | str) or (isinstance(v, float) and math.isfinite(v)):
             out[k] = v
-    return out
-
-
-def _latest_metrics(log_history: list[dict[str, Any]]) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for entry in log_history:
-        for k, v in entry.items():
-            number = isinstance(v, int | float) and not isinstance(v, bool)
-            if k not in ("step", "epoch") and number and math.isfinite(v):
-                out[k] = float(v)
     return out
 
 
@@ -74,7 +65,7 @@ class DataStatesCallback(TrainerCallback):  # type: ignore[misc]
             snapshot["scheduler"] = lr_scheduler.state_dict()
         self.handles.append(self.store.save_async(
             snapshot, branch=self.branch, step=int(state.global_step), epoch=int(math.floor(state.epoch or 0)),
-            hparams=_plain(args), metrics=_latest_metrics(state.log_history),
+            hparams=_plain(args), metrics=latest_numbers(state.log_history),
             message=f"checkpoint-{state.global_step}"))
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

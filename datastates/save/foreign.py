@@ -1,0 +1,185 @@
+"""Checkpoints made by other tools, read into states and written back out: `torch.save` files,
+safetensors files (one, or shards with an index json), torch.distributed.checkpoint (DCP) directories
+and Hugging Face Trainer `checkpoint-N/` directories.
+
+Reading never runs pickle unless asked: `torch.save` files load with `weights_only=True` (plain
+containers, tensors, numbers), and a file that needs more is refused with UnsupportedValueError unless
+`allow_pickle`. A DCP directory's `.metadata` is itself a pickle, so DCP imports need `allow_pickle` too.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InvalidArgumentError, NotFoundError, UnsupportedValueError
+
+FORMATS = ("safetensors", "torch", "dcp")
+
+
+@dataclass
+class Foreign:
+    """One checkpoint read from disk: the state, and what its files say of it."""
+
+    path: Path
+    kind: str
+    state: Any
+    step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    needs_pickle: bool = False
+
+
+def _torch_load(path: Path, allow_pickle: bool) -> tuple[Any, bool]:
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True), False
+    except Exception as exc:  # torch raises UnpicklingError (or others) for what weights_only refuses
+        if not allow_pickle:
+            raise UnsupportedValueError(
+                f"{path} needs full pickle to load ({type(exc).__name__}: {str(exc)[:200]}); import it only if you "
+                "trust it, with --allow-pickle (allow_pickle=True)") from None
+    return torch.load(path, map_location="cpu", weights_only=False), True
+
+
+def _safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = next(iter(sorted(path.glob("*.safetensors.index.json"))), None)
+    if index is not None:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = [p.name for p in sorted(path.glob("*.safetensors"))]
+    out: dict[str, torch.Tensor] = {}
+    for name in files:
+        out.update(load_file(str(path / name)))
+    return out
+
+
+def latest_numbers(log_history: list[dict[str, Any]]) -> dict[str, float]:
+    """The latest finite value of each number in a Trainer's log history (loss, learning_rate, eval_*)."""
+    out: dict[str, float] = {}
+    for entry in log_history:
+        for k, v in entry.items():
+            number = isinstance(v, int | float) and not isinstance(v, bool)
+            if k not in ("step", "epoch") and number and math.isfinite(v):
+                out[k] = float(v)
+    return out
+
+
+def read(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Foreign:
+    """Read one checkpoint (a file or a directory) into a state. Raises NotFoundError (nothing there or
+    no known layout), UnsupportedValueError (pickle needed and not allowed)."""
+    p = Path(path)
+    if not p.exists():
+        raise NotFoundError(f"{p} does not exist")
+    if p.is_dir():
+        if (p / "trainer_state.json").exists():
+            return _read_hf(p, allow_pickle)
+        if (p / ".metadata").exists():
+            return _read_dcp(p, allow_pickle)
+        if any(p.glob("*.safetensors")):
+            return Foreign(p, "safetensors", _safetensors_dir(p))
+        raise NotFoundError(f"{p} is a directory with no checkpoint layout this knows (a Trainer checkpoint-N/ "
+                            "with trainer_state.json, a DCP directory with .metadata, or safetensors shards)")
+    if p.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return Foreign(p, "safetensors", load_file(str(p)))
+    state, pickled = _torch_load(p, allow_pickle)
+    return Foreign(p, "torch", state, needs_pickle=pickled)
+
+
+def _read_hf(p: Path, allow_pickle: bool) -> Foreign:
+    trainer_state = json.loads((p / "trainer_state.json").read_text())
+    if any(p.glob("*.safetensors")):
+        model = _safetensors_dir(p)
+    elif (p / "pytorch_model.bin").exists():
+        model, _ = _torch_load(p / "pytorch_model.bin", allow_pickle)
+    else:
+        raise NotFoundError(f"{p} has trainer_state.json but no model weights (model.safetensors, shards with an "
+                            "index json, or pytorch_model.bin)")
+    state: dict[str, Any] = {"model": model, "trainer_state": trainer_state}
+    pickled = False
+    for name, key in (("optimizer.pt", "optimizer"), ("scheduler.pt", "scheduler")):
+        if (p / name).exists():
+            state[key], used = _torch_load(p / name, allow_pickle)
+            pickled |= used
+    return Foreign(p, "hf", state, step=trainer_state.get("global_step"),
+                   metrics=latest_numbers(trainer_state.get("log_history", [])), needs_pickle=pickled)
+
+
+def _read_dcp(p: Path, allow_pickle: bool) -> Foreign:
+    if not allow_pickle:
+        raise UnsupportedValueError(f"{p} is a DCP checkpoint, whose .metadata file is a pickle; import it only if "
+                                    "you trust it, with --allow-pickle (allow_pickle=True)")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(p), os.path.join(tmp, "state.pt"))
+        state, _ = _torch_load(Path(tmp) / "state.pt", allow_pickle=True)
+    return Foreign(p, "dcp", state)
+
+
+def step_of(f: Foreign, pattern: str | None) -> int | None:
+    """The training step of a checkpoint: the first group of `pattern` matched in its path, else what its
+    files say (a Trainer's global_step, a 'global_step' or 'step' entry), else the last number in its name."""
+    if pattern:
+        m = re.search(pattern, str(f.path))
+        if m is None:
+            raise InvalidArgumentError(f"--step-from {pattern!r} does not match {f.path}; give a regex with one "
+                                       r"group, e.g. 'step=(\d+)'")
+        return int(m.group(1) if m.groups() else m.group(0))
+    if f.step is not None:
+        return int(f.step)
+    if isinstance(f.state, dict):
+        for key in ("global_step", "step"):
+            v = f.state.get(key)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                return v
+    numbers = re.findall(r"\d+", f.path.name)
+    return int(numbers[-1]) if numbers else None
+
+
+def tensors_by_key(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    """Every tensor of a nested state under its dotted key path (containers walked, other values left out)."""
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(state, torch.Tensor):
+        out[prefix] = state
+    elif isinstance(state, dict):
+        for k, v in state.items():
+            out.update(tensors_by_key(v, f"{prefix}.{k}" if prefix else str(k)))
+    elif isinstance(state, (list, tuple)):
+        for i, v in enumerate(state):
+            out.update(tensors_by_key(v, f"{prefix}.{i}" if prefix else str(i)))
+    return out
+
+
+def write(state: Any, fmt: str, out: str | os.PathLike[str], *, version: str) -> Path:
+    """Write `state` as `fmt` at `out` (a file for safetensors and torch, a directory for dcp). Raises
+    InvalidArgumentError for an unknown format or an existing target."""
+    if fmt not in FORMATS:
+        raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
+    target = Path(out)
+    if target.exists() and (target.is_file() or any(target.iterdir())):
+        raise InvalidArgumentError(f"{target} exists; give a new path (nothing is overwritten)")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "safetensors":
+        from safetensors.torch import save_file
+
+        # safetensors refuses tensors that share memory: each key gets its own contiguous copy.
+        flat = {k: t.detach().contiguous().clone() for k, t in tensors_by_key(state).items()}
+        save_file(flat, str(target), metadata={"datastates.version": version})
+    elif fmt == "torch":
+        torch.save(state, target)
+    else:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, checkpoint_id=str(target))
+    return target

@@ -1,0 +1,150 @@
+"""Import checkpoints made by torch.save, safetensors (one file and HF-style shards), DCP and the
+Hugging Face Trainer's checkpoint-N/ layout; export versions back; a malicious pickle is refused
+without running."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import datastates as ds
+from datastates.cli import main as cli
+
+
+def _model_state(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    frozen = torch.randn(256, 64, generator=g)  # unchanged across checkpoints: dedup
+    return {"embed.weight": frozen, "head.weight": torch.full((8, 64), float(step)), "head.bias": torch.zeros(8)}
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return bool(a == b)
+
+
+def test_torch_save_files_become_one_branch_in_step_order_with_dedup(tmp_path: Path) -> None:
+    for step in (300, 100, 200):  # written out of order: the import sorts by step
+        torch.save({"model": _model_state(step), "step": step}, tmp_path / f"ckpt-step{step}.pt")
+    with ds.Store.open(tmp_path / "s") as store:
+        rep = ds.import_checkpoints(store, [tmp_path], glob="*.pt", branch="old-run")
+        assert [v.step for v in rep.versions] == [100, 200, 300]
+        log = store.log("old-run")
+        assert [v.step for v in log] == [300, 200, 100]
+        assert log[0].parents == (log[1].id,) and log[1].parents == (log[2].id,)
+        frozen = _model_state(0)["embed.weight"].numel() * 4
+        assert rep.bytes_saved >= 2 * frozen  # the unchanged embedding is stored once
+        assert _same(store.load("old-run~1"), {"model": _model_state(200), "step": 200})
+
+
+def test_step_from_regex_and_safetensors_files(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    for epoch in (2, 1):
+        save_file(_model_state(epoch), str(tmp_path / f"e{epoch}_x9.safetensors"))
+    with ds.Store.open(tmp_path / "s") as store:
+        rep = ds.import_checkpoints(store, sorted(tmp_path.glob("*.safetensors")), branch="st",
+                                    step_from=r"e(\d+)_")
+        assert [v.step for v in rep.versions] == [1, 2]
+        assert _same(store.load("st"), _model_state(2))
+        with pytest.raises(ds.InvalidArgumentError, match="step-from"):
+            ds.import_checkpoints(store, [tmp_path / "e1_x9.safetensors"], branch="st2", step_from=r"step=(\d+)")
+
+
+def test_hf_trainer_checkpoint_dirs_with_sharded_safetensors(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    for step in (10, 20):
+        d = tmp_path / "out" / f"checkpoint-{step}"
+        d.mkdir(parents=True)
+        sd = _model_state(step)
+        save_file({"embed.weight": sd["embed.weight"]}, str(d / "model-00001-of-00002.safetensors"))
+        save_file({k: sd[k] for k in ("head.weight", "head.bias")}, str(d / "model-00002-of-00002.safetensors"))
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+            "embed.weight": "model-00001-of-00002.safetensors", "head.weight": "model-00002-of-00002.safetensors",
+            "head.bias": "model-00002-of-00002.safetensors"}}))
+        torch.save({"state": {0: {"step": torch.tensor(float(step))}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+                   d / "optimizer.pt")
+        (d / "trainer_state.json").write_text(json.dumps({"global_step": step, "log_history": [
+            {"loss": 1.0 / step, "step": step}, {"eval_loss": 2.0 / step, "step": step}]}))
+    with ds.Store.open(tmp_path / "s") as store:
+        rep = ds.import_checkpoints(store, sorted((tmp_path / "out").iterdir()), branch="hf")
+        assert [(v.step, v.metrics) for v in rep.versions] == [(10, {"loss": 0.1, "eval_loss": 0.2}),
+                                                               (20, {"loss": 0.05, "eval_loss": 0.1})]
+        got = store.load("hf")
+        assert _same(got["model"], _model_state(20))
+        assert got["optimizer"]["param_groups"][0]["lr"] == 0.1 and got["trainer_state"]["global_step"] == 20
+
+
+def test_dcp_directories_need_allow_pickle_and_then_import(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": _model_state(5)}, checkpoint_id=str(tmp_path / "dcp-5"))
+    with ds.Store.open(tmp_path / "s") as store:
+        with pytest.raises(ds.UnsupportedValueError, match="allow-pickle"):
+            ds.import_checkpoints(store, [tmp_path / "dcp-5"], branch="d")
+        assert "d" not in store.branches()
+        rep = ds.import_checkpoints(store, [tmp_path / "dcp-5"], branch="d", allow_pickle=True)
+        assert rep.versions[0].step == 5 and _same(store.load("d")["model"], _model_state(5))
+
+
+class _Evil:
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_malicious_pickle_is_refused_without_running(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    torch.save({"model": _model_state(1), "evil": _Evil(str(marker))}, tmp_path / "evil.pt")
+    with ds.Store.open(tmp_path / "s") as store:
+        with pytest.raises(ds.UnsupportedValueError, match="--allow-pickle"):
+            ds.import_checkpoints(store, [tmp_path / "evil.pt"], branch="x")
+        assert not marker.exists() and store.branches() == {}
+    assert cli(["--store", str(tmp_path / "s"), "import", str(tmp_path / "evil.pt")]) == 1
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
+def test_export_then_import_round_trips_bit_exact(tmp_path: Path, fmt: str) -> None:
+    state = {"model": _model_state(7), "bf16": torch.arange(6, dtype=torch.bfloat16), "step": 7}
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save(state, step=7)
+        out = ds.export(store, v, fmt, tmp_path / ("out" if fmt == "dcp" else f"out.{fmt}"))
+        rep = ds.import_checkpoints(store, [out], branch="back", allow_pickle=fmt == "dcp")
+        back = store.load(rep.versions[0])
+        if fmt == "safetensors":  # tensors under their key paths; plain values are not in safetensors
+            flat = {f"model.{k}": t for k, t in state["model"].items()} | {"bf16": state["bf16"]}
+            assert _same(back, flat)
+        else:
+            assert _same(back, state)
+            if fmt == "torch":  # the same tree and rows: the same manifest, chunk for chunk
+                assert rep.versions[0].manifests == v.manifests
+        with pytest.raises(ds.InvalidArgumentError, match="exists"):
+            ds.export(store, v, fmt, out)
+
+
+def test_cli_import_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for step in (1, 2):
+        torch.save({"model": _model_state(step)}, tmp_path / f"step-{step}.pt")
+    s = str(tmp_path / "s")
+    assert cli(["--store", s, "init"]) == 0
+    assert cli(["--store", s, "import", str(tmp_path / "step-1.pt"), str(tmp_path / "step-2.pt"),
+                "--branch", "run"]) == 0
+    out = capsys.readouterr().out
+    assert "2 version(s) on run" in out and "saved by dedup" in out
+    assert cli(["--store", s, "export", "run", str(tmp_path / "run.safetensors"), "--format", "safetensors"]) == 0
+    from safetensors.torch import load_file
+
+    assert _same(load_file(str(tmp_path / "run.safetensors")), {f"model.{k}": t for k, t in _model_state(2).items()})
