@@ -407,3 +407,23 @@ def test_failed_catalog_commit_leaves_nothing_visible(tmp_path: Path, tiered: bo
         assert [x.id for x in s.log()] == [v.id]
     finally:
         s.close()
+
+
+def test_cli_fsck_names_the_tier_and_changes_nothing(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, True)
+    assert hot is not None
+    rec = next(p for p in files(cold, "versions") if p.stem == ids[0])
+    flip(rec)
+    before = tree(cold)
+    r = subprocess.run([sys.executable, "-c", CLI, "fsck", "--store", str(cold)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1
+    assert f"version record {ids[0][:12]} on tier cold" in r.stdout and "Traceback" not in r.stderr
+    assert tree(cold) == before
+    r = subprocess.run([sys.executable, "-c", CLI, "fsck", "--repair", "--store", str(cold)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "restored damaged version record" in r.stdout
+    assert rec.read_bytes() == next(p for p in files(hot, "versions") if p.stem == ids[0]).read_bytes()
+    r = subprocess.run([sys.executable, "-c", CLI, "fsck", "--help"], capture_output=True, text=True, timeout=60)
+    assert "quarantine/" in r.stdout and "every tier" in r.stdout
