@@ -427,3 +427,19 @@ def test_cli_fsck_names_the_tier_and_changes_nothing(tmp_path: Path) -> None:
     assert rec.read_bytes() == next(p for p in files(hot, "versions") if p.stem == ids[0]).read_bytes()
     r = subprocess.run([sys.executable, "-c", CLI, "fsck", "--help"], capture_output=True, text=True, timeout=60)
     assert "quarantine/" in r.stdout and "every tier" in r.stdout
+
+
+def test_queries_over_the_store_read_verified_records(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    c = Catalog(cold / "catalog")
+    raw = c.raw_record(ids[0])
+    assert raw is not None
+    with c.env.begin(write=True) as txn:
+        txn.put(bytes.fromhex(ids[0]), raw.replace(b'"step":0', b'"step":9'), db=c._db["versions"])
+    c.close()
+    s = open_store(cold, hot)
+    try:
+        assert sorted(v.step for v in s.find("")) == [0, 1, 2]
+        assert s.catalog.raw_record(ids[0]) == raw
+    finally:
+        s.close()
