@@ -370,6 +370,20 @@ def test_unrestorable_record_is_quarantined_and_version_marked_damaged(tmp_path:
         s.close()
     report = (cold / "quarantine" / "report.jsonl").read_text().splitlines()
     assert len(report) == 1 and json.loads(report[0])["file"].startswith("manifests/")
+    entry = json.loads(report[0])
+    # The user puts an intact copy back (from a backup): repair clears the mark and the version loads.
+    moved = cold / entry["moved_to"]
+    flip(moved)  # undo the flipped byte: this is the backup
+    os.replace(moved, cold / entry["file"])
+    s = open_store(cold, hot)
+    try:
+        assert not s.fsck().ok
+        rep = s.fsck(repair=True)
+        assert any("cleared its damaged mark" in line for line in rep.repaired)
+        assert s.fsck().ok
+        assert all(s.load(vid)["w"].numel() == 64 for vid in ids)
+    finally:
+        s.close()
 
 
 # 4. a failed save leaves nothing -----------------------------------------------------------------
