@@ -456,3 +456,18 @@ def test_queries_over_the_store_read_verified_records(tmp_path: Path) -> None:
         assert s.catalog.raw_record(ids[0]) == raw
     finally:
         s.close()
+
+
+def test_damaged_reflog_line_is_skipped_not_fatal(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    log_file = cold / "logs" / "heads" / "main"
+    lines = log_file.read_bytes().splitlines()
+    assert len(lines) == 3
+    data = bytearray(log_file.read_bytes())
+    data[len(lines[0]) // 2] = 0xFF  # a non-UTF-8 byte inside the first entry
+    log_file.write_bytes(bytes(data))
+    s = open_store(cold, hot)
+    try:
+        assert [e["new"] for e in s.reflog("main")] == ids[1:]
+    finally:
+        s.close()
