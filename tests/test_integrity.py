@@ -471,3 +471,20 @@ def test_damaged_reflog_line_is_skipped_not_fatal(tmp_path: Path) -> None:
         assert [e["new"] for e in s.reflog("main")] == ids[1:]
     finally:
         s.close()
+
+
+def test_deleted_record_file_is_rewritten_from_the_catalog_copy(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    rec = next(p for p in files(cold, "versions") if p.stem == ids[1])
+    good = rec.read_bytes()
+    rec.unlink()
+    s = open_store(cold, hot)
+    try:
+        assert any("record file is gone" in p for p in s.fsck().problems)
+        assert not rec.exists()  # fsck alone changed nothing
+        s.fsck(repair=True)
+        assert rec.read_bytes() == good
+        assert s.fsck().ok
+        assert [v.step for v in s.log()] == [2, 1, 0]
+    finally:
+        s.close()
