@@ -488,3 +488,22 @@ def test_deleted_record_file_is_rewritten_from_the_catalog_copy(tmp_path: Path) 
         assert [v.step for v in s.log()] == [2, 1, 0]
     finally:
         s.close()
+
+
+def test_annotations_after_flush_reach_the_cold_tier(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, True)
+    s = open_store(cold, hot)
+    try:
+        s.annotate(ids[2], note="late")
+    finally:
+        s.close()
+    from datastates.meta.versions import decode_annotations
+
+    cold_ann = next(p for p in files(cold, "annotations") if p.stem == ids[2])
+    assert decode_annotations(cold_ann.read_bytes())["note"] == "late"
+    shutil.rmtree(hot)  # the node is lost: cold alone still has the note
+    s = ds.Store.open(cold, create=False)
+    try:
+        assert s.version(ids[2]).annotations == {"note": "late"}
+    finally:
+        s.close()
