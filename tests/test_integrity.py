@@ -24,11 +24,11 @@ import pytest
 import torch
 
 import datastates as ds
+from datastates.cli import main as cli_main
 from datastates.errors import CatalogDamagedError, IntegrityError, StorageFullError, StoreFormatError
 from datastates.meta.catalog import Catalog
 
 KIB = 1 << 10
-CLI = "import sys; from datastates.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 def flip(path: Path, offset: int = -1) -> None:
@@ -227,9 +227,7 @@ def test_truncated_catalog_is_typed_error_and_repair_rebuilds(tmp_path: Path, ti
     assert "CatalogDamagedError" in r.stdout and "datastates fsck --repair" in r.stdout
     with pytest.raises(CatalogDamagedError):
         open_store(cold, hot)
-    r = subprocess.run([sys.executable, "-c", CLI, "fsck", "--repair", "--store", str(cold)],
-                       capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stdout + r.stderr
+    assert cli_main(["fsck", "--repair", "--store", str(cold)]) == 0
     assert list(((hot or cold) / "quarantine").glob("catalog.*"))
     assert all(loads(cold, hot, ids).values())
 
@@ -298,7 +296,9 @@ def damage_one(cold: Path, hot: Path | None, kind: str, which: int) -> Path | No
     elif kind == "pack":
         path = sorted((root / "packs").glob("*.pack"))[0]
     else:
-        fs = files(root, {"record": "versions", "manifest": "manifests", "annotation": "annotations"}[kind])
+        # annotate() writes the hot tier; cold has a copy only if the version was flushed after it
+        kind_dir = {"record": "versions", "manifest": "manifests", "annotation": "annotations"}[kind]
+        fs = files(root, kind_dir) or files(rs[0], kind_dir)
         path = fs[which % len(fs)]
     flip(path)
     return path
@@ -370,6 +370,20 @@ def test_unrestorable_record_is_quarantined_and_version_marked_damaged(tmp_path:
         s.close()
     report = (cold / "quarantine" / "report.jsonl").read_text().splitlines()
     assert len(report) == 1 and json.loads(report[0])["file"].startswith("manifests/")
+    entry = json.loads(report[0])
+    # The user puts an intact copy back (from a backup): repair clears the mark and the version loads.
+    moved = cold / entry["moved_to"]
+    flip(moved)  # undo the flipped byte: this is the backup
+    os.replace(moved, cold / entry["file"])
+    s = open_store(cold, hot)
+    try:
+        assert not s.fsck().ok
+        rep = s.fsck(repair=True)
+        assert any("cleared its damaged mark" in line for line in rep.repaired)
+        assert s.fsck().ok
+        assert all(s.load(vid)["w"].numel() == 64 for vid in ids)
+    finally:
+        s.close()
 
 
 # 4. a failed save leaves nothing -----------------------------------------------------------------
@@ -405,5 +419,91 @@ def test_failed_catalog_commit_leaves_nothing_visible(tmp_path: Path, tiered: bo
         rep = s.fsck()
         assert rep.ok, rep.problems
         assert [x.id for x in s.log()] == [v.id]
+    finally:
+        s.close()
+
+
+def test_cli_fsck_names_the_tier_and_changes_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cold, hot, ids = make(tmp_path, True)
+    assert hot is not None
+    rec = next(p for p in files(cold, "versions") if p.stem == ids[0])
+    flip(rec)
+    before = tree(cold)
+    assert cli_main(["fsck", "--store", str(cold)]) == 1
+    out = capsys.readouterr()
+    assert f"version record {ids[0][:12]} on tier cold" in out.out and "Traceback" not in out.err
+    assert tree(cold) == before
+    assert cli_main(["fsck", "--repair", "--store", str(cold)]) == 0
+    assert "restored damaged version record" in capsys.readouterr().out
+    assert rec.read_bytes() == next(p for p in files(hot, "versions") if p.stem == ids[0]).read_bytes()
+    with pytest.raises(SystemExit):
+        cli_main(["fsck", "--help"])
+    out = capsys.readouterr()
+    assert "quarantine/" in out.out and "every tier" in out.out
+
+
+def test_queries_over_the_store_read_verified_records(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    c = Catalog(cold / "catalog")
+    raw = c.raw_record(ids[0])
+    assert raw is not None
+    with c.env.begin(write=True) as txn:
+        txn.put(bytes.fromhex(ids[0]), raw.replace(b'"step":0', b'"step":9'), db=c._db["versions"])
+    c.close()
+    s = open_store(cold, hot)
+    try:
+        assert sorted(v.step for v in s.find("")) == [0, 1, 2]
+        assert s.catalog.raw_record(ids[0]) == raw
+    finally:
+        s.close()
+
+
+def test_damaged_reflog_line_is_skipped_not_fatal(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    log_file = cold / "logs" / "heads" / "main"
+    lines = log_file.read_bytes().splitlines()
+    assert len(lines) == 3
+    data = bytearray(log_file.read_bytes())
+    data[len(lines[0]) // 2] = 0xFF  # a non-UTF-8 byte inside the first entry
+    log_file.write_bytes(bytes(data))
+    s = open_store(cold, hot)
+    try:
+        assert [e["new"] for e in s.reflog("main")] == ids[1:]
+    finally:
+        s.close()
+
+
+def test_deleted_record_file_is_rewritten_from_the_catalog_copy(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, False)
+    rec = next(p for p in files(cold, "versions") if p.stem == ids[1])
+    good = rec.read_bytes()
+    rec.unlink()
+    s = open_store(cold, hot)
+    try:
+        assert any("record file is gone" in p for p in s.fsck().problems)
+        assert not rec.exists()  # fsck alone changed nothing
+        s.fsck(repair=True)
+        assert rec.read_bytes() == good
+        assert s.fsck().ok
+        assert [v.step for v in s.log()] == [2, 1, 0]
+    finally:
+        s.close()
+
+
+def test_annotations_after_flush_reach_the_cold_tier(tmp_path: Path) -> None:
+    cold, hot, ids = make(tmp_path, True)
+    s = open_store(cold, hot)
+    try:
+        s.annotate(ids[2], note="late")
+    finally:
+        s.close()
+    from datastates.meta.versions import decode_annotations
+
+    cold_ann = next(p for p in files(cold, "annotations") if p.stem == ids[2])
+    assert decode_annotations(cold_ann.read_bytes())["note"] == "late"
+    shutil.rmtree(hot)  # the node is lost: cold alone still has the note
+    s = ds.Store.open(cold, create=False)
+    try:
+        assert s.version(ids[2]).annotations == {"note": "late"}
     finally:
         s.close()

@@ -166,7 +166,7 @@ class Flusher:
             if not v.pruned:
                 for mid in v.manifests.values():
                     if not cold.manifest_path(mid).exists():
-                        write_new(cold.manifest_path(mid), hot.read_manifest(mid))
+                        write_new(cold.manifest_path(mid), store.objects.read_manifest_bytes(mid))  # verified
             write_new(cold.record_path(vid), data)
         ann = hot.annotation_path(vid)
         if ann.exists():

@@ -334,6 +334,16 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[se
                         complete = False
                         rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()[:16]} of {r['key']!r} is missing")
         manifests_needed.update(mids)
+        marked = cat.extra(vid).get("damaged") if indexed is not None else None
+        if marked and complete:
+            if repair:  # the quarantined file was put back intact (from a backup): the version loads again
+                cat.update_extra(vid, drop=("damaged",))
+                rep.repaired.append(f"version {vid[:12]} is whole again ({marked} is intact): cleared its damaged mark")
+            else:
+                rep.problems.append(f"version {vid[:12]} is marked damaged but {marked} is intact again; "
+                                    "`datastates fsck --repair` clears the mark")
+        elif marked:
+            rep.problems.append(f"version {vid[:12]} is damaged: {marked} is in quarantine/ (no intact copy)")
         if indexed is None:
             if repair and complete:
                 cat.commit(CommitBatch(vid, good, list(rec.get("parents", []))))

@@ -342,8 +342,16 @@ class Repository:
             if later:
                 current[LATER_METRICS] = merge_metrics(current.get(LATER_METRICS) or {}, later)
             current["_updated"] = time.time()
-            self.tier.write_annotations(vid, encode_annotations(current))
+            data = encode_annotations(current)
+            self.tier.write_annotations(vid, data)
             self.catalog.set_annotations(vid, current)
+            if self.cold is not None and self.catalog.extra(vid).get("cold"):
+                # Already flushed: the flusher will not copy them again, so keep cold's copy current here
+                # (annotations are user data; a lost hot tier must not lose them).
+                try:
+                    self.cold.write_annotations(vid, data)
+                except OSError as exc:
+                    log.warning("annotations of %s not copied to the cold tier (%s); they are on hot", vid[:12], exc)
         return self.version(vid)
 
     def du(self) -> dict[str, int]:
