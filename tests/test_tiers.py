@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.procs import Lines
 
 import datastates as ds
 from datastates.base import files
@@ -250,22 +251,34 @@ def test_kill_during_save_and_flush_many_sample(tmp_path: Path) -> None:
     _kill_loop(tmp_path, 25, seed=2)
 
 
+def _saver_killed_after_first_commit(cold: Path, hot: Path, step: int, offset: float) -> list[list[str]]:
+    """Run the tiered saver from `step`; wait (bounded) for its first COMMITTED line, then SIGKILL it
+    `offset` seconds after that event. Returns its `COMMITTED <id> <step>` lines."""
+    p = subprocess.Popen([sys.executable, str(HELPER), str(cold), str(hot), str(step)], stdout=subprocess.PIPE)
+    try:
+        lines = Lines(p.stdout)
+        lines.wait(lambda: lines.of(p.pid, "COMMITTED"), 180, "the saver's first COMMITTED line")
+        time.sleep(offset)  # the random kill offset after the event, not a wait for the child
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert p.returncode == -signal.SIGKILL, f"the saver ended by itself: {p.returncode}"
+    lines.wait(lambda: lines.closed, 30, "the end of the saver's output")
+    return lines.of(p.pid, "COMMITTED")
+
+
 def _kill_loop(tmp_path: Path, kills: int, seed: int) -> None:
+    """Start the tiered saver `kills` times and kill it at a random offset after its first commit, so the kill
+    lands amid later saves and background flushes however slow the machine is (a fixed wall-clock delay
+    from the start could fire before anything committed)."""
     rng = random.Random(seed)
     cold, hot = tmp_path / "cold", tmp_path / "hot"
     committed: dict[str, int] = {}
     step = 0
     for _ in range(kills):
-        p = subprocess.Popen([sys.executable, str(HELPER), str(cold), str(hot), str(step)],
-                             stdout=subprocess.PIPE, text=True)
-        time.sleep(rng.uniform(1.0, 2.5))
-        p.send_signal(signal.SIGKILL)
-        out, _ = p.communicate()
-        for line in out.splitlines():
-            if line.startswith("COMMITTED "):
-                _, vid, st = line.split()
-                committed[vid] = int(st)
-                step = max(step, int(st) + 1)
+        for _, vid, st in _saver_killed_after_first_commit(cold, hot, step, rng.uniform(0.0, 1.0)):
+            committed[vid] = int(st)
+            step = max(step, int(st) + 1)
     sys.path.insert(0, str(HELPER.parent))
     try:
         from tiered_saver import state
