@@ -19,7 +19,7 @@ def register(sub: Any) -> None:
                        help=f"list {kind}{'es' if kind == 'branch' else 's'} (as git: NAME is then a glob pattern)")
         s.add_argument("-d", "--delete", metavar="NAME", help=f"delete {kind} NAME")
         if kind == "tag":
-            s.add_argument("-m", "--message")
+            s.add_argument("-m", "--message", help="a message stored with the tag")
         else:
             s.add_argument("-f", "--force", action="store_true",
                            help="move an existing branch; with -d, delete a branch no other ref reaches")
