@@ -2,15 +2,58 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+from .errors import ConflictError
 from .store import Store
 
+DEMO_MARK = "demo"  # an hparam every demo version carries: a store holding only such versions is a demo store
 
-def run(path: str, steps: int = 300, every: int = 20) -> int:
-    """Train a tiny regression MLP for `steps` steps, saving every `every` steps; print what the store holds."""
+
+def check_demo_dir(path: str | os.PathLike[str]) -> None:
+    """Refuse to write into anything but a new or empty directory or a store the demo made.
+
+    Raises ConflictError naming the directory when it is a non-empty non-store, or a store holding a
+    version the demo did not save (the demo must never append to a real store)."""
+    root = Path(path)
+    if not root.exists() or (root.is_dir() and not any(root.iterdir())):
+        return
+    if not (root / "FORMAT").is_file():
+        raise ConflictError(f"{root} is not empty and is not a demo store; the demo writes only into its own "
+                            "directory: give a new one with `datastates demo --dir runs/demo-store-2`")
+    with Store.open(root, create=False) as store:
+        foreign = [v for v in store.find("") if v.hparams.get(DEMO_MARK) is not True]
+    if foreign:
+        raise ConflictError(f"{root} is a store with {len(foreign)} version(s) the demo did not save; the demo "
+                            "writes only into its own store: give a new directory with "
+                            "`datastates demo --dir runs/demo-store-2`")
+
+
+def _script() -> str:
+    """How to call the `datastates` script from this shell: bare if it is on PATH, else its path
+    (relative when under the current directory, e.g. `.venv/bin/datastates`)."""
+    here = Path(sys.executable).with_name("datastates")
+    found = shutil.which("datastates")
+    if found and Path(found).resolve() == here.resolve():
+        return "datastates"
+    try:
+        return str(here.relative_to(Path.cwd()))
+    except ValueError:
+        return str(here)
+
+
+def run(path: str | os.PathLike[str] = "runs/demo-store", steps: int = 300, every: int = 20) -> int:
+    """Train a tiny regression MLP for `steps` steps, saving every `every` steps into the store at `path`
+    (only there: a new or empty directory, or a store the demo made); print what the store holds.
+    Raises ConflictError (nothing written) for any other directory."""
+    check_demo_dir(path)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
@@ -18,7 +61,7 @@ def run(path: str, steps: int = 300, every: int = 20) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     w_true = torch.randn(32, 1)
-    hparams = {"lr": 3e-3, "width": 256, "optimizer": "adamw"}
+    hparams = {"lr": 3e-3, "width": 256, "optimizer": "adamw", DEMO_MARK: True}
     with Store.open(path) as store:
         print(f"store: {store.path}")
         handles = []
@@ -62,6 +105,6 @@ def run(path: str, steps: int = 300, every: int = 20) -> int:
         d = store.du()
         print(f"\n{d['versions']} versions, {d['bytes_total'] / 2**20:.1f} MiB as saved, "
               f"{d['bytes_unique'] / 2**20:.1f} MiB unique on disk")
-        print(f"\nnext: export DATASTATES_STORE={store.path}; then try `datastates log`, `datastates ls {name}`, "
-              "`datastates diff main~5 main`, `datastates du`, `datastates fsck`")
+        cli = f"{_script()} --store {shlex.quote(str(path))}"
+        print(f"\nnext, try: `{cli} log`, `{cli} ls {name}`, `{cli} diff main~5 main`, `{cli} du`, `{cli} fsck`")
     return 0

@@ -115,11 +115,12 @@ def test_threads_open_one_store_at_once(zygote: Zygote, tmp_path: Path) -> None:
     ds.Store.open(path).close()
     pid = zygote.start("threadopen", str(path), "8")
     try:
-        # Well under a second when it works; the bound only stops a deadlock from hanging the run.
-        status = zygote.exit_status(pid, timeout=120)
+        # Well under a second when it works; the bound only catches a deadlock, so it is generous enough
+        # for a machine whose cores are all busy.
+        status = zygote.exit_status(pid, timeout=90)
     except AssertionError:
         zygote.kill(pid)
-        raise AssertionError("Store.open from 8 threads at once did not finish in 120 s (deadlock)") from None
+        raise AssertionError("Store.open from 8 threads at once did not finish in 90 s (a deadlock?)") from None
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert zygote.lines.of(pid, "DONE")
 

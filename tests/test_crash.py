@@ -82,10 +82,12 @@ def crash_cycles(zygote: Zygote, path: Path, seed: int, kills: int, max_delay: f
     empty_kills = 0
     for cycle in range(kills):
         pid = zygote.start("crash", str(path), str(seed), str(cycle * 100_000))
-        zygote.lines.wait(lambda pid=pid: zygote.lines.of(pid, "READY"), 60, f"READY from saver {pid}")
-        if cycle == 0:  # at least one kill lands in a running save loop, however slow the machine
-            zygote.lines.wait(lambda pid=pid: zygote.lines.of(pid, "COMMITTED"), 120, f"a commit from saver {pid}")
-        time.sleep(rng.uniform(0.0, max_delay))  # a random offset after the event, not a wait on luck
+        # The kill comes at a random offset after an event the saver reports, never after a fixed delay from
+        # its start. Even cycles wait for READY (the kill may land in the first save); odd ones wait for the
+        # first COMMITTED, so the cycles interrupt a running save loop however slow the machine is.
+        word = "COMMITTED" if cycle % 2 else "READY"
+        zygote.lines.wait(lambda pid=pid, word=word: zygote.lines.of(pid, word), 120, f"{word} from saver {pid}")
+        time.sleep(rng.uniform(0.0, max_delay))  # the random kill offset, not a wait for the child
         status = zygote.kill(pid)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"saver ended by itself: {status}"
         new = [(x[1], int(x[2])) for x in zygote.lines.of(pid, "COMMITTED")]

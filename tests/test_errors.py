@@ -257,7 +257,7 @@ def test_checkout_into_wrong_shape(filled: ds.Store) -> None:
 def _commitfail(zygote: Zygote, path: Path, mode: str) -> dict[str, list[str]]:
     """Run `saver.py commitfail`; its RESULT, SNAP, NEXT and LOAD lines (words after the tag)."""
     pid = zygote.start("commitfail", str(path), mode)
-    status = zygote.exit_status(pid, timeout=60)
+    status = zygote.exit_status(pid, timeout=180)  # above the 30 s hang detector of each save
     assert os.WIFEXITED(status), status
     out = {w: [" ".join(x[1:]) for x in zygote.lines.of(pid, w)] for w in ("RESULT", "SNAP", "NEXT", "LOAD")}
     assert len(out["RESULT"]) == 1 and len(out["SNAP"]) == 1, out

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import datastates as ds
+from datastates.cli import main as cli_main
 from datastates.pbt import Population, protected_versions
 
 
@@ -109,3 +113,28 @@ def test_the_docs_example_trains_a_population_in_seconds(tmp_path: Path) -> None
         for v in store.find("explore.new.lr is not null"):
             ratio = v.explore["new"]["lr"] / v.explore["old"]["lr"]
             assert math.isclose(ratio, 0.8) or math.isclose(ratio, 1.25)
+
+
+@pytest.mark.slow
+def test_the_docs_pbt_output_is_what_the_script_prints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/pbt.md shows the example's output for its defaults (all but the `seconds` line) and shell
+    commands on the store it makes: both as the code does them today."""
+    root = Path(__file__).parent.parent
+    doc = (root / "docs" / "pbt.md").read_text()
+    shown = re.search(r"```\n(members: .*?)```", doc, re.S)
+    assert shown, "docs/pbt.md lost its example output block"
+    store = tmp_path / "pbt-store"
+    p = subprocess.run([sys.executable, str(root / "docs" / "examples" / "pbt_toy.py"), "--store", str(store)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr
+
+    def lines(text: str) -> list[str]:
+        return [x for x in text.splitlines() if x and not x.startswith("seconds: ")]
+
+    assert lines(p.stdout) == lines(shown.group(1))
+    monkeypatch.setenv("DATASTATES_STORE", str(store))
+    commands = re.findall(r"^(datastates .*?)(?:\s+#.*)?$", doc, re.M)
+    assert len(commands) == 4
+    for cmd in commands:
+        assert cli_main(shlex.split(cmd)[1:]) == 0, f"docs/pbt.md: `{cmd}` failed: {capsys.readouterr().err}"

@@ -9,13 +9,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from helpers.procs import Lines
 
 import datastates as ds
 from datastates.base import files
@@ -252,39 +251,34 @@ def test_kill_during_save_and_flush_many_sample(tmp_path: Path) -> None:
     _kill_loop(tmp_path, 25, seed=2)
 
 
+def _saver_killed_after_first_commit(cold: Path, hot: Path, step: int, offset: float) -> list[list[str]]:
+    """Run the tiered saver from `step`; wait (bounded) for its first COMMITTED line, then SIGKILL it
+    `offset` seconds after that event. Returns its `COMMITTED <id> <step>` lines."""
+    p = subprocess.Popen([sys.executable, str(HELPER), str(cold), str(hot), str(step)], stdout=subprocess.PIPE)
+    try:
+        lines = Lines(p.stdout)
+        lines.wait(lambda: lines.of(p.pid, "COMMITTED"), 180, "the saver's first COMMITTED line")
+        time.sleep(offset)  # the random kill offset after the event, not a wait for the child
+    finally:
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+    assert p.returncode == -signal.SIGKILL, f"the saver ended by itself: {p.returncode}"
+    lines.wait(lambda: lines.closed, 30, "the end of the saver's output")
+    return lines.of(p.pid, "COMMITTED")
+
+
 def _kill_loop(tmp_path: Path, kills: int, seed: int) -> None:
+    """Start the tiered saver `kills` times and kill it at a random offset after its first commit, so the kill
+    lands amid later saves and background flushes however slow the machine is (a fixed wall-clock delay
+    from the start could fire before anything committed)."""
     rng = random.Random(seed)
     cold, hot = tmp_path / "cold", tmp_path / "hot"
     committed: dict[str, int] = {}
     step = 0
     for _ in range(kills):
-        p = subprocess.Popen([sys.executable, str(HELPER), str(cold), str(hot), str(step)],
-                             stdout=subprocess.PIPE, text=True)
-        assert p.stdout is not None
-        lines: list[str] = []
-        first = threading.Event()
-
-        def read(out: Any = p.stdout, lines: list[str] = lines, first: threading.Event = first) -> None:
-            for line in out:
-                lines.append(line)
-                first.set()
-            first.set()  # the child ended: stop waiting
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        # Kill only after the child's first committed version (its start-up alone takes seconds on a busy
-        # machine), at a random offset within the next saves and flushes.
-        assert first.wait(180), "the saver never committed a version"
-        time.sleep(rng.uniform(0.0, 0.8))  # the random offset after the event under test
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        reader.join(30)
-        assert p.returncode == -signal.SIGKILL, f"the saver ended by itself: {p.returncode}"
-        for line in lines:
-            if line.startswith("COMMITTED "):
-                _, vid, st = line.split()
-                committed[vid] = int(st)
-                step = max(step, int(st) + 1)
+        for _, vid, st in _saver_killed_after_first_commit(cold, hot, step, rng.uniform(0.0, 1.0)):
+            committed[vid] = int(st)
+            step = max(step, int(st) + 1)
     sys.path.insert(0, str(HELPER.parent))
     try:
         from tiered_saver import state

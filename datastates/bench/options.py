@@ -81,9 +81,11 @@ def add_parser(sub: Any) -> None:
                    help="fraction of tensors left unchanged for the partial save (default 0.9)")
     # dest differs from the global --store (which defaults to $DATASTATES_STORE): the bench must never
     # write into, or delete from, a user's real store.
-    p.add_argument("--store", dest="bench_dir", default=None, metavar="DIR",
+    p.add_argument("--dir", dest="bench_dir", default=None, metavar="DIR",
                    help="directory for every file of the run (a fresh subdirectory is made there and removed); "
                         "default: the current directory. Avoid tmpfs: it measures memory, not a disk")
+    # The old name, kept working but hidden: --store means the user's store everywhere else.
+    p.add_argument("--store", dest="bench_dir", default=None, metavar="DIR", help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help="64MiB, 2 repeats, 1 s training windows (for tests)")
     p.add_argument("--json-out", default=None, metavar="PATH", help="write the results as JSON ('-' = stdout)")
     p.add_argument("--skip", default="", help=f"comma-separated groups to leave out: {','.join(SKIPPABLE)}")

@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
         # `datastates log --store PATH` works as well as `datastates --store PATH log`.
         s = add(name, **kw)
-        if name != "bench":  # bench's --store is its scratch directory, never a user's store
+        if name not in ("bench", "demo"):  # their own directory is --dir, never a user's store
             s.add_argument("--store", default=argparse.SUPPRESS, help="store directory (default: $DATASTATES_STORE)")
         s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the full traceback of an error")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import fnmatch
 from typing import Any
 
 from ..store import Store
@@ -11,11 +12,14 @@ from ..store import Store
 def register(sub: Any) -> None:
     for kind in ("tag", "branch"):
         s = sub.add_parser(kind, help=f"list, create or delete {kind}{'es' if kind == 'branch' else 's'}")
-        s.add_argument("name", nargs="?", help=f"the {kind} to create (none: list them)")
+        s.add_argument("name", nargs="?", help=f"the {kind} to create (none: list them; with -l: a glob "
+                       "pattern the listed names match)")
         s.add_argument("ref", nargs="?", default="main", help="the version it names (default main)")
+        s.add_argument("-l", "--list", action="store_true",
+                       help=f"list {kind}{'es' if kind == 'branch' else 's'} (as git: NAME is then a glob pattern)")
         s.add_argument("-d", "--delete", metavar="NAME", help=f"delete {kind} NAME")
         if kind == "tag":
-            s.add_argument("-m", "--message")
+            s.add_argument("-m", "--message", help="a message stored with the tag")
         else:
             s.add_argument("-f", "--force", action="store_true",
                            help="move an existing branch; with -d, delete a branch no other ref reaches")
@@ -24,25 +28,31 @@ def register(sub: Any) -> None:
         s.set_defaults(handler=_tag if kind == "tag" else _branch)
 
 
+def _list(names: dict[str, str], pattern: str | None) -> int:
+    """Print `name<TAB>short id` for each ref whose name matches the glob `pattern` (all when None)."""
+    for name, vid in names.items():
+        if pattern is None or fnmatch.fnmatchcase(name, pattern):
+            print(f"{name}\t{vid[:12]}")
+    return 0
+
+
 def _tag(store: Store, args: argparse.Namespace) -> int:
     if args.delete:
         store.delete_tag(args.delete)
-    elif args.name:
+    elif args.list or not args.name:
+        return _list(store.tags(), args.name)
+    else:
         vid = store.tag(args.name, args.ref, args.message or "")
         print(f"tag {args.name} -> {vid[:12]}")
-    else:
-        for name, vid in store.tags().items():
-            print(f"{name}\t{vid[:12]}")
     return 0
 
 
 def _branch(store: Store, args: argparse.Namespace) -> int:
     if args.delete or args.force_delete:
         store.delete_branch(args.delete or args.force_delete, force=args.force or bool(args.force_delete))
-    elif args.name:
+    elif args.list or not args.name:
+        return _list(store.branches(), args.name)
+    else:
         vid = store.branch(args.name, at=args.ref, force=args.force)
         print(f"branch {args.name} -> {vid[:12]}")
-    else:
-        for name, vid in store.branches().items():
-            print(f"{name}\t{vid[:12]}")
     return 0

@@ -154,6 +154,9 @@ class Repository:
                 )
         elif re.fullmatch(r"[0-9a-f]{1,5}", ref):
             raise NotFoundError(f"ref {ref!r} is too short to be an id prefix (6 hex digits at least)")
+        if self.catalog.version_count() == 0:  # pointing at `datastates log` would only repeat the failure
+            raise NotFoundError(f"ref {ref!r} names nothing: the store has no versions yet; save one first "
+                                "(Store.save in Python)")
         raise NotFoundError(
             f"ref {ref!r} is not a branch, tag or version id; `datastates log` lists versions, "
             "`datastates branch` the branches, `datastates tag` the tags"

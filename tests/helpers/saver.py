@@ -119,7 +119,7 @@ def commitfail(store_path: str, mode: str) -> None:
     check but is too long for the file system; `refmove`: moving the branch fails (EIO) after the version
     was indexed, and the next save stores the very same tensors on another branch and loads them back.
     Prints `RESULT <outcome>` for the failing save, `NEXT <outcome>` for each of up to two later saves,
-    where an outcome is `ok <id>`, `timeout` (no answer within 3 s) or the exception's class name, and
+    where an outcome is `ok <id>`, `timeout` (no answer within 30 s) or the exception's class name, and
     `LOAD ok` / `LOAD <exception>` for loading the last good save, and `SNAP <digest>`: the
     `snapshot_digest` of the store right after the failed save. Exits with os._exit so a stuck
     background thread cannot hold the process.
@@ -148,7 +148,8 @@ def commitfail(store_path: str, mode: str) -> None:
 
     def attempt(word: str, state: dict[str, object], branch: str) -> str | None:
         try:
-            v = store.save_async(state, branch=branch).result(timeout=60)  # a hang detector, not a speed test
+            # A hang detector (a save of a few KiB takes milliseconds), generous for a fully loaded machine.
+            v = store.save_async(state, branch=branch).result(timeout=30)
             say(f"{word} ok {v.id}")
             return v.id
         except TimeoutError:

@@ -1,10 +1,11 @@
-"""Saves forever into a tiered store, printing COMMITTED <id> <step> after each durable save.
+"""Saves forever into a tiered store, printing `<pid> COMMITTED <id> <step>` after each durable save.
 
 Run as: python tiered_saver.py COLD HOT START_STEP
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -23,7 +24,8 @@ def main() -> None:
     step = start
     while True:
         v = store.save(state(step), step=step)
-        print(f"COMMITTED {v.id} {step}", flush=True)
+        # one write(2) with our pid first, the line format tests/helpers/procs.Lines reads
+        os.write(1, f"{os.getpid()} COMMITTED {v.id} {step}\n".encode())
         step += 1
 
 
