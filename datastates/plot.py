@@ -270,8 +270,7 @@ def update_ratios(store: Store, ref: Any = "main", keys: str | Iterable[str] | N
             floor = float(positive.min()) if positive.size else 1e-12
             shown = np.log10(np.where(shown > 0, shown, np.where(np.isnan(shown), np.nan, floor)))
         label = "log10 " + label
-    cmap = _colormap("viridis").copy()
-    cmap.set_bad("lightgrey")
+    cmap = _colormap("viridis").with_extremes(bad="lightgrey")
     image = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap=cmap)
     ax.set_yticks(range(len(data.keys)), [_short(k) for k in data.keys], fontsize="x-small")
     ticks = np.unique(np.linspace(0, len(data.x) - 1, min(len(data.x), 10)).astype(int))
@@ -356,8 +355,7 @@ def histograms(store: Store, ref: Any = "main", key: str = "", *, bins: int = 64
     ax, side = fig.subplots(1, 2, width_ratios=[3, 1])
     with np.errstate(divide="ignore"):
         shown = np.log10(data.counts.T.astype(np.float64))
-    cmap = _colormap("magma").copy()
-    cmap.set_bad("black")
+    cmap = _colormap("magma").with_extremes(bad="black")
     xs = np.arange(len(data.versions) + 1) - 0.5
     mesh = ax.pcolormesh(xs, data.edges, np.ma.masked_invalid(shown), cmap=cmap, shading="flat")
     ticks = np.unique(np.linspace(0, len(data.x) - 1, min(len(data.x), 10)).astype(int))
