@@ -542,7 +542,7 @@ def lineage(store: Store, refs: Any = None, *, population: Population | str | No
 
     data = lineage_data(store, refs, population=population, metric=metric)
     n = len(data.ids)
-    fig = _figure(max(6.0, 1.5 + 0.9 * len(data.lanes)), min(40.0, max(4.0, 1.0 + 0.12 * n)))
+    fig = _figure(max(6.0, 1.5 + 0.9 * len(data.lanes)), min(16.0, max(4.0, 1.0 + 0.12 * n)))
     ax = fig.add_subplot()
     y = np.arange(n)
     styles = {"parent": ("tab:gray", "solid"), "merge": ("tab:purple", "dotted"), "fork": ("tab:red", "dashed")}

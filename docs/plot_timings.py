@@ -3,7 +3,7 @@
     .venv/bin/python docs/plot_timings.py --versions 1000 --store /tmp/plot-timings
 
 Builds the store if it is not there (a 4-layer MLP, 8 tensors, ~9 KiB; main gets 80% of the versions,
-two forks from its middle the rest), then prints seconds per figure: data + drawing + PNG rendering.
+two forks from its middle, with other learning rates, the rest), then prints seconds per figure: data + drawing + PNG rendering.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def build(path: Path, versions: int) -> None:
     main_n = int(versions * 0.8)
     fork_n = (versions - main_n) // 2
     with ds.Store.open(path) as store:
-        def train(branch: str, n: int, first: int) -> None:
+        def train(branch: str, n: int, first: int, lr: float = 0.01) -> None:
+            for group in opt.param_groups:
+                group["lr"] = lr
             for step in range(first, first + n):
                 opt.zero_grad()
                 loss = torch.nn.functional.mse_loss(model(x), y)
@@ -43,7 +45,9 @@ def build(path: Path, versions: int) -> None:
         for name in ("fork-a", "fork-b"):
             store.branch(name, at=fork_at)
             store.checkout(fork_at, model=model)
-            train(name, fork_n if name == "fork-a" else versions - main_n - fork_n, main_n // 2)
+            # Different learning rates, so the forks differ and `diff` has chunks to read.
+            train(name, fork_n if name == "fork-a" else versions - main_n - fork_n, main_n // 2,
+                  0.02 if name == "fork-a" else 0.005)
 
 
 def main() -> None:
