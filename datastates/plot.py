@@ -533,16 +533,18 @@ def _number(x: Any) -> float:
 
 
 def lineage(store: Store, refs: Any = None, *, population: Population | str | None = None,
-            metric: str | None = None, cmap: str = "viridis_r", max_labels: int = 40) -> Figure:
+            metric: str | None = None, cmap: str = "viridis_r", max_labels: int = 40,
+            figsize: tuple[float, float] | None = None) -> Figure:
     """The version DAG, git-style: time flows down, one column (lane) per branch; solid lines join a
     version to its parents, dashed red lines are PBT forks (exploits), dotted lines merges; nodes are
-    colored by `metric` (grey when absent); branch heads and tags are labeled. See `lineage_data` for
+    colored by `metric` (log scale when it spans over a decade; grey where a version has none, e.g. a
+    fork, which copies tensors but not metrics); branch heads and tags are labeled. See `lineage_data` for
     which versions are drawn. Raises what `lineage_data` raises, MissingDependencyError."""
     from matplotlib.collections import LineCollection
 
     data = lineage_data(store, refs, population=population, metric=metric)
     n = len(data.ids)
-    fig = _figure(max(6.0, 1.5 + 0.9 * len(data.lanes)), min(16.0, max(4.0, 1.0 + 0.12 * n)))
+    fig = _figure(*(figsize or (max(6.0, 1.5 + 0.9 * len(data.lanes)), min(16.0, max(4.0, 1.0 + 0.12 * n)))))
     ax = fig.add_subplot()
     y = np.arange(n)
     styles = {"parent": ("tab:gray", "solid"), "merge": ("tab:purple", "dotted"), "fork": ("tab:red", "dashed")}
@@ -552,9 +554,15 @@ def lineage(store: Store, refs: Any = None, *, population: Population | str | No
             ax.add_collection(LineCollection(segs, colors=color, linestyles=style, linewidths=1.0, zorder=1,
                                              label=f"{kind} ({len(segs)})"))
     has = np.isfinite(data.metric)
-    ax.scatter(data.lane[~has], y[~has], s=18, c="lightgrey", edgecolors="grey", zorder=2, gid="nodes-no-metric")
+    ax.scatter(data.lane[~has], y[~has], s=18, c="lightgrey", edgecolors="grey", zorder=2, gid="nodes-no-metric",
+               label=f"no {data.metric_name or 'metric'} ({int((~has).sum())})")
     if has.any():
-        points = ax.scatter(data.lane[has], y[has], s=22, c=data.metric[has], cmap=cmap, zorder=3, gid="nodes")
+        from matplotlib.colors import LogNorm
+
+        values = data.metric[has]
+        # Losses fall by orders of magnitude: a linear scale would paint all but the first few nodes alike.
+        norm = LogNorm() if (values > 0).all() and values.max() > 10 * values.min() else None
+        points = ax.scatter(data.lane[has], y[has], s=22, c=values, cmap=cmap, norm=norm, zorder=3, gid="nodes")
         fig.colorbar(points, ax=ax, label=f"metrics.{data.metric_name}")
     for i, names in list(sorted(data.labels.items()))[:max_labels]:
         ax.annotate(", ".join(names), (data.lane[i], i), xytext=(6, 0), textcoords="offset points",
@@ -566,6 +574,5 @@ def lineage(store: Store, refs: Any = None, *, population: Population | str | No
     ax.set_ylabel("versions, oldest at the top")
     ax.set_title(f"lineage: {n} versions, {len(data.lanes)} branches"
                  + (f", colored by {data.metric_name}" if data.metric_name else ""))
-    if data.edges:
-        ax.legend(fontsize="x-small", loc="lower right")
+    fig.legend(loc="outside lower center", ncols=4, fontsize="x-small", frameon=False)
     return fig
