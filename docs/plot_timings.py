@@ -2,7 +2,7 @@
 
     .venv/bin/python docs/plot_timings.py --versions 1000 --store /tmp/plot-timings
 
-Builds the store if it is not there (a 4-layer MLP, 8 tensors, ~9 KiB; main gets 80% of the versions,
+Builds the store if it is not there (a 4-layer MLP, 8 tensors, ~11 KiB; main gets 80% of the versions,
 two forks from its middle, with other learning rates, the rest), then prints seconds per figure:
 data + drawing, and with PNG rendering.
 """
