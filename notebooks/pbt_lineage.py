@@ -55,7 +55,8 @@ summary = pbt_toy.run(str(path), members=MEMBERS, steps=STEPS, interval=INTERVAL
 
 # %% [markdown]
 # ## The family tree
-# One column per member branch, time flowing down, colored by validation loss (darker is better).
+# One column per member branch, time flowing down, colored by validation loss (yellow is low, i.e. better;
+# grey nodes are forks, which copy tensors but record no loss).
 # Dashed red edges are exploits: the member's next version is a fork of the donor's latest.
 
 # %%
