@@ -19,6 +19,7 @@ MissingDependencyError (the `*_data` functions still work).
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import math
 from collections.abc import Iterable, Sequence
@@ -107,7 +108,11 @@ def _x_of(versions: Sequence[Version]) -> np.ndarray:
 
 
 def _no_keys(store: Store, ref: Any, patterns: list[str] | None) -> NotFoundError:
-    return NotFoundError(f"no tensor of {ref!r} matches {patterns!r}; `datastates ls {ref}` lists its keys")
+    """The error for key patterns that select nothing: a typo must not read as an empty plot."""
+    names = [t.key for t in store.ls(ref) if t.kind != "view"]
+    close = list(dict.fromkeys(c for p in patterns or [] for c in difflib.get_close_matches(p, names, n=3, cutoff=0.5)))
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    return NotFoundError(f"no tensor of {ref!r} matches {patterns!r}; {hint}`datastates ls {ref}` lists its keys")
 
 
 def _short(key: str, width: int = 40) -> str:
@@ -429,11 +434,11 @@ def diff(store: Store, a: Any, b: Any, keys: str | Iterable[str] | None = None) 
     right.set_xlabel("cosine(a, b)")
     right.set_title("cosine similarity")
     extra = f"; {len(data.other)} tensors added/removed/reshaped" if data.other else ""
-    fig.suptitle(f"{_name(store, a)} ({data.a[:10]}) -> {_name(store, b)} ({data.b[:10]}){extra}")
+    fig.suptitle(f"{_name(a)} ({data.a[:10]}) -> {_name(b)} ({data.b[:10]}){extra}")
     return fig
 
 
-def _name(store: Store, ref: Any) -> str:
+def _name(ref: Any) -> str:
     return ref if isinstance(ref, str) and not _looks_like_id(ref) else "version"
 
 

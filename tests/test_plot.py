@@ -90,6 +90,8 @@ def test_norms_refuses_unknown_stat_and_keys_matching_nothing(trained: ds.Store)
         plot.norms(trained, "main", stat="l3")
     with pytest.raises(ds.NotFoundError, match="datastates ls main"):
         plot.norms(trained, "main", keys="model.9.*")
+    with pytest.raises(ds.NotFoundError, match="did you mean model.0.weight"):
+        plot.update_ratios(trained, "main", keys="model.0.wieght")
     with pytest.raises(ds.NotFoundError):
         plot.norms(trained, "no-such-branch")
 
