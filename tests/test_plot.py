@@ -235,3 +235,26 @@ def test_plots_without_matplotlib_name_the_extra(trained: ds.Store, monkeypatch:
 def test_plot_refuses_what_is_not_a_store() -> None:
     with pytest.raises(ds.InvalidArgumentError, match="Store.open"):
         plot.norms("runs/store")  # type: ignore[arg-type]
+
+
+def test_cli_plot_writes_each_figure_to_the_named_file(trained: ds.Store, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from datastates.cli import main
+
+    root = str(trained.path)
+    runs = {
+        "norms.png": ["plot", "norms", "main", "--keys", "model.*.weight"],
+        "ratios.png": ["plot", "update-ratios", "ft"],
+        "hist.svg": ["plot", "histograms", "model.0.weight", "main", "--bins", "8"],
+        "diff.pdf": ["plot", "diff", "main", "ft"],
+        "lineage.png": ["plot", "lineage", "--metric", "loss"],
+    }
+    magic = {".png": b"\x89PNG", ".svg": b"<?xml", ".pdf": b"%PDF"}
+    for name, argv in runs.items():
+        out = tmp_path / name
+        assert main(["--store", root, *argv, "-o", str(out)]) == 0
+        assert out.read_bytes().startswith(magic[out.suffix])
+        assert capsys.readouterr().out == f"wrote {out}\n"
+    assert main(["--store", root, "plot", "histograms", "model.0.wieght", "-o", str(tmp_path / "x.png")]) == 1
+    assert "did you mean 'model.0.weight'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()

@@ -16,9 +16,9 @@ from typing import Any
 
 from ..errors import DataStatesError
 from ..store import Store
-from . import inspect, maintenance, programs, refs, tiers
+from . import inspect, maintenance, plot, programs, refs, tiers
 
-GROUPS = (maintenance, inspect, refs, tiers, programs)
+GROUPS = (maintenance, inspect, refs, tiers, programs, plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
