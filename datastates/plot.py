@@ -466,6 +466,8 @@ class LineageData:
     metric_name: str | None
     labels: dict[int, list[str]]
     """Node index -> branch heads and tags pointing at it."""
+    pruned: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    """Per node: the version was pruned (its record kept for lineage, its bytes gone)."""
 
 
 def lineage_data(store: Store, refs: Any = None, *, population: Population | str | None = None,
@@ -530,7 +532,8 @@ def lineage_data(store: Store, refs: Any = None, *, population: Population | str
     for name, vid in sorted(store.tags().items()):
         if vid in index:
             labels.setdefault(index[vid], []).append(f"tag: {name}")
-    return LineageData(ids, lane, lanes, edges, values, metric, labels)
+    pruned = np.array([records[vid].pruned for vid in ids], dtype=bool)
+    return LineageData(ids, lane, lanes, edges, values, metric, labels, pruned)
 
 
 def _number(x: Any) -> float:
@@ -543,8 +546,9 @@ def lineage(store: Store, refs: Any = None, *, population: Population | str | No
     """The version DAG, git-style: time flows down, one column (lane) per branch; solid lines join a
     version to its parents, dashed red lines are PBT forks (exploits), dotted lines merges; nodes are
     colored by `metric` (log scale when it spans over a decade; grey where a version has none, e.g. a
-    fork, which copies tensors but not metrics); branch heads and tags are labeled. See `lineage_data` for
-    which versions are drawn. Raises what `lineage_data` raises, MissingDependencyError."""
+    fork, which copies tensors but not metrics; a black x where it was pruned); branch heads and tags
+    are labeled. See `lineage_data` for which versions are drawn.
+    Raises what `lineage_data` raises, MissingDependencyError."""
     from matplotlib.collections import LineCollection
 
     data = lineage_data(store, refs, population=population, metric=metric)
@@ -558,9 +562,13 @@ def lineage(store: Store, refs: Any = None, *, population: Population | str | No
         if segs:
             ax.add_collection(LineCollection(segs, colors=color, linestyles=style, linewidths=1.0, zorder=1,
                                              label=f"{kind} ({len(segs)})"))
-    has = np.isfinite(data.metric)
-    ax.scatter(data.lane[~has], y[~has], s=18, c="lightgrey", edgecolors="grey", zorder=2, gid="nodes-no-metric",
-               label=f"no {data.metric_name or 'metric'} ({int((~has).sum())})")
+    has = np.isfinite(data.metric) & ~data.pruned
+    bare = ~np.isfinite(data.metric) & ~data.pruned
+    ax.scatter(data.lane[bare], y[bare], s=18, c="lightgrey", edgecolors="grey", zorder=2, gid="nodes-no-metric",
+               label=f"no {data.metric_name or 'metric'} ({int(bare.sum())})")
+    if data.pruned.any():
+        ax.scatter(data.lane[data.pruned], y[data.pruned], s=22, marker="x", c="black", zorder=2, gid="nodes-pruned",
+                   label=f"pruned ({int(data.pruned.sum())})")
     if has.any():
         from matplotlib.colors import LogNorm
 

@@ -191,7 +191,7 @@ def test_lineage_draws_one_node_per_version_and_every_edge(trained: ds.Store) ->
     assert data.labels[best] == ["tag: best"]
     fig = plot.lineage(trained)
     ax = fig.axes[0]
-    nodes = sum(len(c.get_offsets()) for c in ax.collections if c.get_gid() in ("nodes", "nodes-no-metric"))
+    nodes = sum(len(c.get_offsets()) for c in ax.collections if (c.get_gid() or "").startswith("nodes"))
     assert nodes == 9
     segments = sum(len(c.get_segments()) for c in ax.collections if c.get_gid() is None)
     assert segments == 9
@@ -222,6 +222,21 @@ def test_lineage_of_a_population_shows_exploits_as_fork_edges(tmp_path: Path) ->
         assert data.metric_name == "score"
         with pytest.raises(ds.NotFoundError, match="population 'nope'"):
             plot.lineage(store, population="nope")
+
+
+def test_lineage_marks_pruned_versions(tmp_path: Path) -> None:
+    from datastates.retention import KeepLatest, Retention
+
+    with ds.Store.open(tmp_path / "s") as store:
+        for i in range(5):
+            store.save({"w": torch.full((3,), float(i))}, step=i, metrics={"loss": 1.0 / (i + 1)})
+        store.prune(Retention(KeepLatest(2)))
+        data = plot.lineage_data(store)
+        assert data.pruned.tolist() == [True, True, True, False, False]
+        ax = plot.lineage(store).axes[0]
+        gids = {c.get_gid(): len(c.get_offsets()) for c in ax.collections if c.get_gid()}
+        assert gids == {"nodes-pruned": 3, "nodes": 2, "nodes-no-metric": 0}
+        assert len(plot.norms_data(store).versions) == 2  # pruned versions have no stats to plot
 
 
 def test_plots_without_matplotlib_name_the_extra(trained: ds.Store, monkeypatch: pytest.MonkeyPatch) -> None:
