@@ -95,6 +95,10 @@ class StorageFullError(DataStatesError, OSError):
     """A tier ran out of space (ENOSPC); nothing of the failed save is visible."""
 
 
+class MissingDependencyError(DataStatesError, ImportError):
+    """An optional dependency (an extra such as `plot`) is not installed; the message names the pip command."""
+
+
 class UnexpectedArgumentError(InvalidArgumentError, TypeError):
     """A keyword the call does not take (a typo such as `stpe=`); a TypeError as Python's own would be."""
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from ..errors import DataStatesError
 from ..store import Store
-from . import inspect, maintenance, programs, refs, serve, tiers, transfer
+from . import inspect, maintenance, plot, programs, refs, serve, tiers, transfer
 
-GROUPS = (maintenance, inspect, refs, tiers, transfer, programs, serve)
+GROUPS = (maintenance, inspect, refs, tiers, transfer, programs, plot, serve)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,63 @@
+"""`datastates plot KIND ... -o FILE`: the figures of `datastates.plot`, written to an image file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from .. import plot as plots
+from ..store import Store
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("plot", help="draw norms, update ratios, histograms, a diff or the lineage to an image file",
+                       description="Figures of datastates.plot (needs `pip install 'datastates[plot]'`), "
+                                   "written to --out (.png, .svg, .pdf: by its suffix).")
+    kinds = p.add_subparsers(dest="kind", required=True)
+
+    def kind(name: str, help: str) -> argparse.ArgumentParser:
+        k = kinds.add_parser(name, help=help)
+        k.add_argument("-o", "--out", type=Path, default=None, help=f"image file (default: {name}.png)")
+        k.add_argument("--dpi", type=int, default=100)
+        k.set_defaults(handler=_plot, plot_kind=name)
+        return k
+
+    k = kind("norms", "per-tensor L2 norm (or --stat) against step along REF (stored stats, no tensor read)")
+    k.add_argument("ref", nargs="?", default="main")
+    k.add_argument("--keys", nargs="+", default=None, help="keys, globs or prefixes (default: every tensor)")
+    k.add_argument("--stat", default="l2", choices=plots.STATS)
+    k = kind("update-ratios", "heatmap tensors x versions of ||w_t - w_prev|| / ||w_prev|| along REF")
+    k.add_argument("ref", nargs="?", default="main")
+    k.add_argument("--keys", nargs="+", default=None, help="keys, globs or prefixes (default: every tensor)")
+    k = kind("histograms", "the distribution of one tensor over the versions of REF")
+    k.add_argument("key")
+    k.add_argument("ref", nargs="?", default="main")
+    k.add_argument("--bins", type=int, default=64)
+    k.add_argument("--max-versions", type=int, default=200)
+    k = kind("diff", "per-tensor relative change and cosine between two versions")
+    k.add_argument("a")
+    k.add_argument("b")
+    k.add_argument("--keys", nargs="+", default=None, help="keys, globs or prefixes (default: every tensor)")
+    k = kind("lineage", "the version DAG (every version, the ancestors of REFs, or a --population)")
+    k.add_argument("refs", nargs="*", default=None)
+    k.add_argument("--population", default=None, help="a PBT population's name (its member branches)")
+    k.add_argument("--metric", default=None, help="metrics name to color by (default: the first one found)")
+
+
+def _plot(store: Store, args: argparse.Namespace) -> int:
+    name = args.plot_kind
+    if name == "norms":
+        fig = plots.norms(store, args.ref, args.keys, stat=args.stat)
+    elif name == "update-ratios":
+        fig = plots.update_ratios(store, args.ref, args.keys)
+    elif name == "histograms":
+        fig = plots.histograms(store, args.ref, args.key, bins=args.bins, max_versions=args.max_versions)
+    elif name == "diff":
+        fig = plots.diff(store, args.a, args.b, args.keys)
+    else:
+        fig = plots.lineage(store, args.refs or None, population=args.population, metric=args.metric)
+    out = args.out or Path(f"{name}.png")
+    fig.savefig(out, dpi=args.dpi)
+    print(f"wrote {out}")
+    return 0

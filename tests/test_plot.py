@@ -1,0 +1,275 @@
+"""datastates.plot: each figure shows the numbers the store holds (stats, diffs, tensor values, the DAG)."""
+
+from __future__ import annotations
+
+import io
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import datastates as ds
+from datastates import plot
+from datastates.pbt import Population
+
+KEYS = ["model.0.weight", "model.0.bias", "model.2.weight", "model.2.bias"]
+
+
+def _train_store(root: Path) -> ds.Store:
+    """main: 6 versions of a small MLP trained by SGD with the last layer frozen after step 3;
+    a fork 'ft' from main~3 (2 versions); a merge 'soup' of main and ft; a tag 'best'."""
+    torch.manual_seed(0)
+    store = ds.Store.open(root)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    x, y = torch.randn(64, 6), torch.randn(64, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(6):
+        if step >= 3:
+            for p in model[2].parameters():
+                p.requires_grad_(False)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        store.save({"model": model, "note": f"step {step}"}, step=step * 10, metrics={"loss": loss.item()})
+    store.tag("best", "main~1")
+    store.branch("ft", at="main~3")
+    state = store.load("ft")
+    for step in (100, 110):
+        state["model"]["0.weight"] = state["model"]["0.weight"] * 1.5
+        store.save(state, branch="ft", step=step, metrics={"loss": 0.5})
+    soup = store.load("main")
+    store.save(soup, branch="soup", parents=["main", "ft"], step=200)
+    return store
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    store = _train_store(tmp_path_factory.mktemp("plot") / "store")
+    yield store
+    store.close()
+
+
+def _png(fig: Any) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    return buf.getvalue()
+
+
+def _tensor(store: ds.Store, ref: str, key: str) -> torch.Tensor:
+    top, rest = key.split(".", 1)
+    return store.load(ref, keys=[key])[top][rest]
+
+
+def test_norms_plots_the_stored_l2_of_each_tensor_against_step(trained: ds.Store) -> None:
+    fig = plot.norms(trained, "main")
+    lines = {line.get_label(): line for line in fig.axes[0].get_lines()}
+    assert sorted(lines) == sorted(KEYS)
+    for key in KEYS:
+        hist = trained.history(key, "main")
+        assert lines[key].get_xdata().tolist() == hist.column("step").to_pylist() == [0, 10, 20, 30, 40, 50]
+        np.testing.assert_allclose(lines[key].get_ydata(), hist.column("l2").to_pylist())
+        np.testing.assert_allclose(lines[key].get_ydata()[-1], float(_tensor(trained, "main", key).norm()),
+                                   rtol=1e-5)
+    assert _png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_norms_selects_keys_by_glob_and_other_stats(trained: ds.Store) -> None:
+    data = plot.norms_data(trained, "ft", "model.*.bias", stat="mean")
+    assert sorted(data.values) == ["model.0.bias", "model.2.bias"]
+    assert data.x.tolist() == [0, 10, 20, 100, 110]
+    assert data.values["model.2.bias"][-1] == pytest.approx(float(_tensor(trained, "ft", "model.2.bias").mean()))
+
+
+def test_norms_refuses_unknown_stat_and_keys_matching_nothing(trained: ds.Store) -> None:
+    with pytest.raises(ds.InvalidArgumentError, match="l2"):
+        plot.norms(trained, "main", stat="l3")
+    with pytest.raises(ds.NotFoundError, match="datastates ls main"):
+        plot.norms(trained, "main", keys="model.9.*")
+    with pytest.raises(ds.NotFoundError, match="did you mean model.0.weight"):
+        plot.update_ratios(trained, "main", keys="model.0.wieght")
+    with pytest.raises(ds.NotFoundError):
+        plot.norms(trained, "no-such-branch")
+
+
+def test_update_ratios_are_the_relative_change_of_the_saved_tensors(trained: ds.Store) -> None:
+    data = plot.update_ratios_data(trained, "main")
+    assert data.keys == sorted(KEYS)
+    assert data.x.tolist() == [10, 20, 30, 40, 50]
+    chain = [v.id for v in reversed(trained.log("main"))]
+    assert data.versions == chain[1:]
+    for i, key in enumerate(data.keys):
+        for j, (prev, cur) in enumerate(zip(chain, chain[1:])):
+            a, b = _tensor(trained, prev, key).double(), _tensor(trained, cur, key).double()
+            assert data.ratios[i, j] == pytest.approx(float((b - a).norm() / a.norm()), rel=1e-4, abs=1e-12)
+    frozen = [data.keys.index("model.2.bias"), data.keys.index("model.2.weight")]
+    # The last layer is frozen from step 30 on: its chunks are shared, its ratio exactly 0, nothing read.
+    assert (data.ratios[frozen][:, 2:] == 0.0).all()
+    assert (data.ratios[frozen][:, :2] > 0).all()
+    assert data.chunks_read == 5 * 2 + 2 * 2  # one chunk per tensor, per changed pair
+
+
+def test_update_ratios_heatmap_holds_log10_of_the_ratios(trained: ds.Store) -> None:
+    data = plot.update_ratios_data(trained, "main")
+    fig = plot.update_ratios(trained, "main")
+    shown = np.ma.filled(fig.axes[0].images[0].get_array(), np.nan)
+    assert shown.shape == (4, 5)
+    positive = data.ratios > 0
+    np.testing.assert_allclose(shown[positive], np.log10(data.ratios[positive]))
+    assert (shown[~positive] == np.log10(data.ratios[positive].min())).all()  # zeros sit at the floor
+    assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == sorted(KEYS)
+
+
+def test_update_ratios_needs_two_versions(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s") as store:
+        store.save({"w": torch.ones(3)}, step=1)
+        with pytest.raises(ds.NotFoundError, match="save another version"):
+            plot.update_ratios(store, "main")
+
+
+def test_histograms_count_every_value_of_each_version_in_stored_min_max_bins(trained: ds.Store) -> None:
+    key = "model.0.weight"
+    data = plot.histograms_data(trained, "main", key, bins=20)
+    hist = trained.history(key, "main")
+    assert data.edges[0] == pytest.approx(min(hist.column("min").to_pylist()))
+    assert data.edges[-1] == pytest.approx(max(hist.column("max").to_pylist()))
+    assert data.counts.shape == (6, 20)
+    for row, vid in enumerate(data.versions):
+        values = _tensor(trained, vid, key).double().numpy().ravel()
+        assert data.counts[row].tolist() == np.histogram(values, bins=data.edges)[0].tolist()
+        assert data.counts[row].sum() == 16 * 6
+    fig = plot.histograms(trained, "main", key, bins=20)
+    mesh = fig.axes[0].collections[0]
+    with np.errstate(divide="ignore"):
+        expected = np.log10(data.counts.T.astype(float))
+    shown = np.ma.filled(mesh.get_array(), -np.inf).reshape(expected.shape)
+    assert np.array_equal(shown, expected)
+
+
+def test_histograms_sample_long_chains_keeping_first_and_last(trained: ds.Store) -> None:
+    data = plot.histograms_data(trained, "main", "model.2.bias", bins=4, max_versions=3)
+    chain = [v.id for v in reversed(trained.log("main"))]
+    assert data.versions == [chain[0], chain[2], chain[5]] or data.versions == [chain[0], chain[3], chain[5]]
+    assert data.x[0] == 0 and data.x[-1] == 50
+    with pytest.raises(ds.NotFoundError, match="model.2.bias"):
+        plot.histograms(trained, "main", "model.2.biass")
+    with pytest.raises(ds.InvalidArgumentError):
+        plot.histograms(trained, "main", "model.2.bias", bins=0)
+
+
+def test_diff_bars_are_the_stores_relative_change_and_cosine(trained: ds.Store) -> None:
+    table = {r["key"]: r for r in trained.diff("main", "ft").to_pylist()}
+    fig = plot.diff(trained, "main", "ft")
+    left, right = fig.axes[0], fig.axes[1]
+    labels = [t.get_text() for t in left.get_yticklabels()]
+    assert labels == sorted(KEYS)
+    widths = [p.get_width() for p in left.patches]
+    cosines = [p.get_width() for p in right.patches]
+    for key, w, c in zip(labels, widths, cosines):
+        assert w == pytest.approx(table[key]["rel_change"])
+        assert c == pytest.approx(table[key]["cosine"])
+    a, b = _tensor(trained, "main", "model.0.weight").double(), _tensor(trained, "ft", "model.0.weight").double()
+    assert widths[labels.index("model.0.weight")] == pytest.approx(float((b - a).norm() / a.norm()), rel=1e-5)
+    assert "note" not in labels  # plain values have no norm
+
+
+def test_lineage_draws_one_node_per_version_and_every_edge(trained: ds.Store) -> None:
+    data = plot.lineage_data(trained)
+    versions = trained.versions_table().column("id").to_pylist()
+    assert sorted(data.ids) == sorted(versions) and len(data.ids) == 9
+    kinds = [k for _, _, k in data.edges]
+    assert kinds.count("parent") == 8 and kinds.count("merge") == 1 and kinds.count("fork") == 0
+    assert data.lanes == ["main", "ft", "soup"]
+    assert data.metric_name == "loss"
+    assert math.isnan(data.metric[data.ids.index(trained.resolve("soup"))])
+    assert data.metric[data.ids.index(trained.resolve("ft"))] == 0.5
+    best = data.ids.index(trained.resolve("best"))
+    assert data.labels[best] == ["tag: best"]
+    fig = plot.lineage(trained)
+    ax = fig.axes[0]
+    nodes = sum(len(c.get_offsets()) for c in ax.collections if (c.get_gid() or "").startswith("nodes"))
+    assert nodes == 9
+    segments = sum(len(c.get_segments()) for c in ax.collections if c.get_gid() is None)
+    assert segments == 9
+    assert _png(fig)[:4] == b"\x89PNG"
+
+
+def test_lineage_of_refs_is_their_ancestors(trained: ds.Store) -> None:
+    data = plot.lineage_data(trained, "ft")
+    assert set(data.ids) == {trained.resolve("ft"), *trained.ancestors("ft")} and len(data.ids) == 5
+    with pytest.raises(ds.InvalidArgumentError):
+        plot.lineage(trained, "ft", population="pop")
+
+
+def test_lineage_of_a_population_shows_exploits_as_fork_edges(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s") as store:
+        pop = Population(store, "pop", size=4, metric="score", hparams=[{"lr": 0.1 * (i + 1)} for i in range(4)])
+        for t in (1, 2):
+            for i, m in enumerate(pop.members):
+                m.save({"w": torch.full((4,), float(i + t))}, metrics={"score": float(i * t)}, step=t)
+            pop.exploit(pop.members[0], donor=pop.members[3])
+        store.save({"other": torch.zeros(2)}, branch="unrelated", step=1)
+        data = plot.lineage_data(store, population=pop)
+        assert len(data.ids) == 10  # 8 saves + 2 exploits; the unrelated branch is left out
+        forks = [(data.ids[p], data.ids[c]) for p, c, k in data.edges if k == "fork"]
+        assert len(forks) == 2
+        for donor, child in forks:
+            assert store.version(child).fork_of == donor and store.version(donor).branch == pop.members[3].branch
+        assert data.metric_name == "score"
+        with pytest.raises(ds.NotFoundError, match="population 'nope'"):
+            plot.lineage(store, population="nope")
+
+
+def test_lineage_marks_pruned_versions(tmp_path: Path) -> None:
+    from datastates.retention import KeepLatest, Retention
+
+    with ds.Store.open(tmp_path / "s") as store:
+        for i in range(5):
+            store.save({"w": torch.full((3,), float(i))}, step=i, metrics={"loss": 1.0 / (i + 1)})
+        store.prune(Retention(KeepLatest(2)))
+        data = plot.lineage_data(store)
+        assert data.pruned.tolist() == [True, True, True, False, False]
+        ax = plot.lineage(store).axes[0]
+        gids = {c.get_gid(): len(c.get_offsets()) for c in ax.collections if c.get_gid()}
+        assert gids == {"nodes-pruned": 3, "nodes": 2, "nodes-no-metric": 0}
+        assert len(plot.norms_data(store).versions) == 2  # pruned versions have no stats to plot
+
+
+def test_plots_without_matplotlib_name_the_extra(trained: ds.Store, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
+    with pytest.raises(ds.DataStatesError, match=r"pip install 'datastates\[plot\]'") as info:
+        plot.norms(trained, "main")
+    assert isinstance(info.value, ImportError)
+    assert plot.norms_data(trained, "main").values  # the numbers need no matplotlib
+
+
+def test_plot_refuses_what_is_not_a_store() -> None:
+    with pytest.raises(ds.InvalidArgumentError, match="Store.open"):
+        plot.norms("runs/store")  # type: ignore[arg-type]
+
+
+def test_cli_plot_writes_each_figure_to_the_named_file(trained: ds.Store, tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    from datastates.cli import main
+
+    root = str(trained.path)
+    runs = {
+        "norms.png": ["plot", "norms", "main", "--keys", "model.*.weight"],
+        "ratios.png": ["plot", "update-ratios", "ft"],
+        "hist.svg": ["plot", "histograms", "model.0.weight", "main", "--bins", "8"],
+        "diff.pdf": ["plot", "diff", "main", "ft"],
+        "lineage.png": ["plot", "lineage", "--metric", "loss"],
+    }
+    magic = {".png": b"\x89PNG", ".svg": b"<?xml", ".pdf": b"%PDF"}
+    for name, argv in runs.items():
+        out = tmp_path / name
+        assert main(["--store", root, *argv, "-o", str(out)]) == 0
+        assert out.read_bytes().startswith(magic[out.suffix])
+        assert capsys.readouterr().out == f"wrote {out}\n"
+    assert main(["--store", root, "plot", "histograms", "model.0.wieght", "-o", str(tmp_path / "x.png")]) == 1
+    assert "did you mean 'model.0.weight'" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
