@@ -21,7 +21,8 @@ from datastates.cli import main
 PACKAGE = Path(ds.__file__).parent
 HINT = re.compile(r"`(datastates\s[^`]*)`")
 # The benchmark is a program of its own, checked by tests/test_bench.py; running it here would cost minutes.
-SKIP = ("datastates bench",)
+# The server runs until stopped; tests/test_server_*.py start it on a free port and stop it.
+SKIP = ("datastates bench", "datastates serve")
 # The demo runs here, in the test's directory, with fewer steps (120 still make the `main~5` it diffs).
 EXTRA = {"demo": ["--steps", "120"]}
 

@@ -1,4 +1,5 @@
-"""`datastates plot KIND ... -o FILE`: the figures of `datastates.plot`, written to an image file."""
+"""The `plot` command (`datastates plot lineage -o lineage.png`): the figures of `datastates.plot`, written to
+an image file."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 A `Population` running in one process holds a lease naming its branch prefix
 (`sweep-1/`); `prune` run anywhere on the same store keeps every ancestor of
 the branches under a live lease's prefix (their heads are kept anyway as branch
-heads). Without it, a `datastates prune` from the shell deleted donor versions
+heads). Without it, a prune run from the shell deleted donor versions
 a population in another process was about to fork from or replay.
 
 A lease is one small JSON file `leases/<name>.json` under the store root,
