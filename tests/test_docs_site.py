@@ -5,30 +5,19 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
+from helpers.tools import tool
 
 import datastates as ds
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _mkdocs() -> list[str]:
-    exe = Path(sys.executable).with_name("mkdocs")
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("mkdocs")
-    if found is None:
-        pytest.skip("mkdocs is not installed (pip install -e '.[docs]')")
-    return [found]
-
 
 def test_the_site_builds_strict_and_documents_every_public_name(tmp_path: Path) -> None:
-    run = subprocess.run([*_mkdocs(), "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
+    run = subprocess.run([*tool("mkdocs", "docs"), "build", "--strict", "-d", str(tmp_path / "site")], cwd=ROOT,
                          capture_output=True, text=True, timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     api = (tmp_path / "site" / "api" / "index.html").read_text()

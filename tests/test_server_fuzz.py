@@ -3,27 +3,16 @@ no input gives a server error, and every answer conforms to its schema and conte
 
 from __future__ import annotations
 
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 from helpers.server_proc import ServerProc
+from helpers.tools import tool
 from server_fixtures import build_lineage_store
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "fuzz-token-0123456789abcdef"
 
-
-def _schemathesis() -> list[str]:
-    exe = Path(sys.executable).with_name("schemathesis")
-    if exe.exists():
-        return [str(exe)]
-    found = shutil.which("schemathesis")
-    if found is None:
-        pytest.skip("schemathesis is not installed (it is in the dev extra)")
-    return [found]
 
 
 def test_fuzzing_the_openapi_finds_no_server_error_and_no_schema_mismatch(tmp_path: Path) -> None:
@@ -31,7 +20,7 @@ def test_fuzzing_the_openapi_finds_no_server_error_and_no_schema_mismatch(tmp_pa
     (tmp_path / "token").write_text(TOKEN)
     with ServerProc(store, token_file=tmp_path / "token") as srv:
         run = subprocess.run(
-            [*_schemathesis(), "run", str(ROOT / "schemas" / "openapi.json"), "--url", srv.url,
+            [*tool("schemathesis", "dev"), "run", str(ROOT / "schemas" / "openapi.json"), "--url", srv.url,
              "-H", f"Authorization: Bearer {TOKEN}", "-n", "15", "--seed", "1", "--phases", "examples,fuzzing",
              "--checks", "not_a_server_error,response_schema_conformance,content_type_conformance",
              "--no-color"],
