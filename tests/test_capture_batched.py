@@ -114,3 +114,37 @@ def test_sync_save_reads_big_tensors_in_place(tmp_path: Path) -> None:
         v3 = h.result(timeout=60)
         assert store.pool.allocated_bytes > 0
         assert torch.equal(store.load(v3)["big1"], got["big1"])
+
+
+def test_save_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> None:
+    import gc
+
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    st = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}
+    gc.callbacks.append(seen)
+    try:
+        with ds.Store.open(tmp_path / "s") as store:
+            gc.collect()  # start from empty generation counts: a collection due before the save is not its own
+            collections.clear()
+            v = store.save(st)
+            # ~30,000 allocations (dozens of collections unpaused); at most the one young-generation
+            # collection that falls due when the collector comes back on at the end
+            assert collections in ([], [0])
+            assert gc.isenabled()
+            h = store.save_async(st)
+            h.result(timeout=60)
+            assert gc.isenabled()
+            gc.disable()
+            try:
+                store.save(st)
+                assert not gc.isenabled()  # a collector the caller disabled stays disabled
+            finally:
+                gc.enable()
+            assert torch.equal(store.load(v)["t2999"], st["t2999"])
+    finally:
+        gc.callbacks.remove(seen)
