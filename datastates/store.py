@@ -62,7 +62,7 @@ from .save.job import SaveHandle, SaveJob
 from .save.manifest import Manifest, TensorInfo
 from .save.pipeline import Pipeline
 from .save.request import fork_record, save_request
-from .save.saver import Saver, gc_paused
+from .save.saver import Saver
 
 log = logging.getLogger("datastates")
 
@@ -279,8 +279,7 @@ class Store:
         Raises UnexpectedArgumentError (a TypeError) naming `save` and the closest keyword for a typo.
         """
         check_keywords("save", kw, Store.save_async, hidden=("_overlap",))
-        with gc_paused():  # the caller waits anyway: no collections triggered by the save's allocations
-            return self.save_async(state, branch=branch, _overlap=True, **kw).result()
+        return self.save_async(state, branch=branch, _overlap=True, **kw).result()
 
     def save_async(self, state: Any, *, branch: str | None = "main", parents: Sequence[Any] | None = None,
                    step: int | None = None, epoch: int | None = None, hparams: dict[str, Any] | None = None,

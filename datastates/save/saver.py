@@ -37,13 +37,15 @@ _gc_was_enabled = False
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a save's own Python work runs.
+    """Pause Python's cyclic garbage collector while the caller's part of a save runs (flatten + capture).
 
     Collections triggered by a save's allocations took ~30 % of the CPU of a sync save of 8,000 small
     tensors (docs/perf-notes.md), each one walking every object of the process. Reference counting still
     frees everything a save allocates. Nested and concurrent uses share one pause; the last one out
     restores the collector's state as the first one in found it (a collector the caller had disabled
-    stays disabled)."""
+    stays disabled). Deliberately not held until a sync save is durable: the collection that falls due
+    would then run between the commit and the return, and a kill there leaves a committed version the
+    caller never heard of (tests/test_crash.py caught exactly that)."""
     global _gc_depth, _gc_was_enabled
     with _gc_lock:
         if _gc_depth == 0:
