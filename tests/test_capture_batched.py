@@ -114,3 +114,36 @@ def test_sync_save_reads_big_tensors_in_place(tmp_path: Path) -> None:
         v3 = h.result(timeout=60)
         assert store.pool.allocated_bytes > 0
         assert torch.equal(store.load(v3)["big1"], got["big1"])
+
+
+def test_save_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> None:
+    import gc
+
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    st = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}
+    gc.callbacks.append(seen)
+    try:
+        with ds.Store.open(tmp_path / "s") as store:
+            store.save(st)  # warm: the pool and the pipeline's first allocations
+            gc.collect()  # start from empty generation counts: a collection due before the save is not its own
+            collections.clear()
+            # The blocking part (flatten + capture: ~30,000 allocations, dozens of collections unpaused)
+            # runs paused; at most the one collection that falls due when the collector comes back on.
+            h = store.save_async(st)
+            assert len(collections) <= 1
+            assert gc.isenabled()
+            v = h.result(timeout=60)
+            gc.disable()
+            try:
+                store.save(st)
+                assert not gc.isenabled()  # a collector the caller disabled stays disabled
+            finally:
+                gc.enable()
+            assert torch.equal(store.load(v)["t2999"], st["t2999"])
+    finally:
+        gc.callbacks.remove(seen)

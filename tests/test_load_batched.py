@@ -56,7 +56,7 @@ def test_mixed_state_loads_bit_exact_in_few_reads(tmp_path: Path, monkeypatch: p
         count = _CountPreadv(monkeypatch)
         got = store.load(v)
         _equal(got, st)
-        # 311 tensors in one pack: one preadv per stretch of chunks stored back to back (the writer pads
+        # 311 tensors in one pack: one preadv per stretch (<= 8 MiB) of chunks stored back to back (the writer pads
         # before large aligned chunks, which ends a stretch), not one per tensor.
         cids = {c for r in store.manifest(v.manifests["0"]).rows for c in r.get("chunks") or []}
         locs = sorted((loc.offset, loc.length) for loc in store.catalog.chunks(list(cids)) if loc is not None)

@@ -32,8 +32,9 @@ log = logging.getLogger("datastates")
 
 _RUN_BUFFERS = 1024
 """At most this many chunks per `preadv` (Linux IOV_MAX)."""
-_RUN_BYTES = 64 << 20
-"""At most this many bytes per merged read, so big states still spread over the executor's threads."""
+_RUN_BYTES = 8 << 20
+"""At most this many bytes per merged read, so big states still spread over the executor's threads (64 MiB
+runs made a warm `cnn` load ~2x slower in CPU than per-tensor reads: too few tasks for two workers)."""
 
 try:
     from zstandard import ZstdError as _ZstdError
