@@ -147,3 +147,13 @@ def test_a_state_nested_5000_deep_is_refused_typed(tmp_path: Path) -> None:
         assert s.branches() == {}  # nothing was written
         shallow = {"a": {"b": {"c": torch.ones(1)}}}
         assert torch.equal(s.load(s.save(shallow))["a"]["b"]["c"], torch.ones(1))
+
+
+def test_float_literals_compare_with_ints_beyond_2_to_53(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s") as s:
+        for step in (0, 5, 2**53 + 1, 2**63 - 1):
+            s.save({"w": torch.ones(1)}, step=step)
+        assert [v.step for v in s.find("step > " + "9" * 400)] == []  # beyond any float: infinity
+        assert [v.step for v in s.find("step > 1e300")] == []
+        assert [v.step for v in s.find("step > 2.5")] == [5, 2**53 + 1, 2**63 - 1]
+        assert [v.step for v in s.find("step = 9223372036854775807")] == [2**63 - 1]

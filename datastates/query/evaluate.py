@@ -103,6 +103,10 @@ def _compare(values: pa.Array, op: str, literal: S.Value) -> pa.Array:
     if coerced is None:
         return _nulls(len(values))
     column, scalar = coerced
+    if isinstance(scalar, float) and pa.types.is_integer(column.type):
+        # Arrow refuses to compare ints beyond 2**53 with a float exactly; compare as floats (a float
+        # literal carries no more precision anyway), so `step > 1e999` is false, not an error.
+        column = pc.cast(column, pa.float64(), safe=False)
     return _COMPARE_FUNCS[op](column, pa.scalar(scalar))
 
 
