@@ -50,6 +50,7 @@ from .objects.tier import Tier
 from .query.facade import Queries
 from .repo import reader
 from .repo.opening import open_repository
+from .repo.recovery import restore_lost_nodes
 from .repo.repository import Repository
 from .save.buffers import BufferPool, default_pool_bytes
 from .save.collective import make_visible_collective
@@ -57,6 +58,7 @@ from .save.commit import Staged, make_fork_visible, make_staged_visible, make_vi
 from .save.job import SaveHandle, SaveJob
 from .save.manifest import Manifest, TensorInfo
 from .save.pipeline import Pipeline
+from .save.placement import Placement
 from .save.request import fork_record, save_request
 from .save.saver import Saver, at_exit
 
@@ -64,6 +66,26 @@ log = logging.getLogger("datastates")
 
 
 T = TypeVar("T")
+
+
+def _rank0_first(job: Comm, opening: Any) -> Any:
+    """Open on rank 0 first, then on the others: ranks creating one new store at once would see each
+    other's half-made directories. Rank 0's failure is raised on every rank (same class)."""
+    from . import errors
+
+    if job.rank == 0:
+        try:
+            out = opening()
+        except DataStatesError as exc:
+            job.bcast((type(exc).__name__, str(exc)))
+            raise
+        job.bcast(None)
+        return out
+    failed = job.bcast(None)
+    if failed is not None:
+        cls = getattr(errors, failed[0], DataStatesError)
+        raise cls(f"{failed[1]} (raised on rank 0)")
+    return opening()
 
 
 class _Part(Generic[T]):
@@ -88,6 +110,8 @@ class Store(Queries):
         self.flusher: Flusher | None = None
         self.comm: Comm = SingleComm()
         """The ranks saving together (one process unless opened with `comm=`)."""
+        self.placement: Placement | None = None
+        """Where each rank's hot tier and partner copies are (a job of several ranks)."""
         self.reuse_unchanged = False
         self._evictor = Evictor(repo)
         self._errors: list[BaseException] = []
@@ -105,7 +129,7 @@ class Store(Queries):
              pool_bytes: int | None = None, verify: bool = True, zstd_level: int = 0, workers: int = 2,
              hot: str | os.PathLike[str] | None = None, hot_capacity: str | int | None = None,
              flush: Flush | None = None, promote: bool | None = None, reuse_unchanged: bool = False,
-             comm: Any = None) -> Store:
+             comm: Any = None, partner: bool = False) -> Store:
         """Open (and by default create) the store at `path`.
 
         With `hot=DIR`, `path` is the cold tier (shared, the truth) and DIR the
@@ -123,14 +147,28 @@ class Store(Queries):
         catalog is rebuilt from the tier files.
         `comm` (an mpi4py communicator, a torch.distributed group or "torch") makes saves collective:
         every rank opens the same store and calls `save`/`save_async` in the same order (see
-        docs/distributed.md); opening is then collective too.
+        docs/distributed.md); opening is then collective too. With `hot=` a node-local directory, each
+        node keeps its own hot tier and catalog; a node whose hot tier is lost is rebuilt at this open
+        from a surviving node's (its partner's when `partner=True`), without reading cold.
+        `partner=True` (SCR's PARTNER): before a version is visible, each rank's packs are also copied
+        to the hot tier of a rank on another node; raises InvalidArgumentError with one node or
+        without `hot=`.
         """
         if pool_bytes is not None and pool_bytes <= 0:
             raise InvalidArgumentError(f"pool_bytes {pool_bytes} must be positive (or None: a share of RAM)")
         if workers < 1:
             raise InvalidArgumentError(f"workers {workers} must be 1 or more")
-        repo, rebuild, cold_ok = open_repository(path, create=create, chunk_size=chunk_size, verify=verify, hot=hot,
-                                                 hot_capacity=hot_capacity, flush=flush, promote=promote)
+        if partner and hot is None:
+            raise InvalidArgumentError("partner=True copies each rank's packs to another node's hot tier; "
+                                       "open with hot=NODE_LOCAL_DIR (and the shared store as the path)")
+        job = as_comm(comm)
+        if partner:
+            Placement.check(job)  # collective; raises on every rank before anything is opened
+        if job.size > 1 and hot is not None:
+            restore_lost_nodes(job, Path(hot), partner=partner)
+        opening = partial(open_repository, path, create=create, chunk_size=chunk_size, verify=verify, hot=hot,
+                          hot_capacity=hot_capacity, flush=flush, promote=promote)
+        repo, rebuild, cold_ok = opening() if job.size == 1 else _rank0_first(job, opening)
         store = cls(repo, pool_bytes=pool_bytes or default_pool_bytes(), zstd_level=zstd_level, workers=workers)
         if rebuild:
             from .maintenance.fsck import rebuild_catalog
@@ -142,10 +180,13 @@ class Store(Queries):
             except OSError as exc:
                 log.warning("cold tier %s unreadable at open (%s); working from hot", repo.root, exc)
         if repo.cold is not None:
-            store.flusher = Flusher(repo)
+            # a job of many ranks flushes in parallel: each rank its own packs, rank 0 publishes
+            store.flusher = Flusher(repo, "all" if job.size == 1 else "publisher" if job.rank == 0 else "part")
             store.flusher.resume()
         store.reuse_unchanged = reuse_unchanged
-        store.comm = as_comm(comm)
+        store.comm = job
+        if job.size > 1:
+            store.placement = Placement.gather(job, repo.hot.root, partner)
         return store
 
     def __enter__(self) -> Store:
@@ -275,7 +316,8 @@ class Store(Queries):
         if job.request.get("stage"):
             return stage(job, tier=self.tier)
         objects = self.repo.objects
-        commit = make_visible if job.dist is None else partial(make_visible_collective, dist=job.dist)
+        commit = make_visible if job.dist is None else partial(make_visible_collective, dist=job.dist,
+                                                               placement=self.placement)
         vid, data, to_flush = commit(
             job, tier=self.tier, refs=self.refs, catalog=self.catalog,
             before_record=lambda: objects.restore_pins(job.pins), wants_flush=self._wants_flush,
@@ -284,7 +326,7 @@ class Store(Queries):
             objects.touch(w.id)
         self._saver.remember(job)
         if to_flush and self.flusher is not None:
-            self.flusher.enqueue(vid)
+            self.flusher.enqueue(vid, None if job.dist is None else {w.id for w in job.packs})
         flusher = self.flusher
         job.handle._flushed = (lambda timeout: True) if flusher is None else (
             lambda timeout: flusher.flushed(vid, timeout))

@@ -55,9 +55,9 @@ def mpirun(n: int, store: Path, mode: str, check: bool = True,
     return proc.returncode, _read(out)
 
 
-def torchrun(n: int, store: Path, mode: str, init: Path) -> list[dict[str, Any]]:
+def torchrun(n: int, store: Path, mode: str, init: Path, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     out = _outdir(store)
-    env = {**os.environ, "WORLD_SIZE": str(n), "DIST_OUT": str(out)}
+    env = {**os.environ, "WORLD_SIZE": str(n), "DIST_OUT": str(out), **(env or {})}
     procs = [subprocess.Popen([sys.executable, str(JOB), "torch", str(store), mode, str(init)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(n)]

@@ -6,8 +6,10 @@ torch.distributed, behind one small interface.
     comm.allgather(obj) -> list           # every rank gets every rank's object, in rank order
     comm.bcast(obj, root=0) -> obj
     comm.barrier()
+    comm.sendrecv(obj, dest, source) -> obj   # pairwise; every rank calls it (dest/source may be None)
+    exchange_files(comm, files, dest, source, place)   # whole files, in pieces, over sendrecv
 
-Objects are small Python values (plans, manifest ids, chunk locations): never tensors. The mpi4py
+Objects are Python values (plans, manifest ids, chunk locations, pieces of files): never tensors. The mpi4py
 and torch backends work on a private duplicate of the caller's communicator or group, so the
 store's collectives (which run on its pipeline thread) never interleave with the training loop's.
 Creating one is collective: every rank must call `as_comm` in the same order.
@@ -17,11 +19,15 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import socket
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CommTimeoutError, InvalidArgumentError
+from .files import fsync_dir
 
 DEFAULT_TIMEOUT = 1800.0
 """Seconds a collective waits for the other ranks before CommTimeoutError ($DATASTATES_COMM_TIMEOUT)."""
@@ -63,6 +69,12 @@ class Comm(Protocol):
 
     def barrier(self) -> None: ...
 
+    def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
+        """Send `obj` to `dest` and return what `source` sent this rank (None when `source` is None).
+        Every rank calls it at the same time (it is a meeting point, so a rank that never comes ends in
+        CommTimeoutError); the pairs must match: if r sends to d, d receives from r."""
+        ...
+
 
 class SingleComm:
     """One process: every collective is the identity."""
@@ -78,6 +90,9 @@ class SingleComm:
 
     def barrier(self) -> None:
         return None
+
+    def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
+        return obj if source == 0 and dest == 0 else None
 
 
 class MpiComm:
@@ -116,6 +131,15 @@ class MpiComm:
 
     def barrier(self) -> None:
         self._arrive("barrier")
+
+    def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
+        self._arrive("sendrecv")
+        if dest is not None and source is not None:
+            return self._comm.sendrecv(obj, dest=dest, source=source)
+        if dest is not None:
+            self._comm.send(obj, dest=dest)
+            return None
+        return self._comm.recv(source=source) if source is not None else None
 
 
 class TorchComm:
@@ -158,6 +182,132 @@ class TorchComm:
 
     def barrier(self) -> None:
         self._call("barrier", self._dist.barrier, group=self._group)
+
+    def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
+        # Objects go as pickled byte tensors: first their lengths, then the bytes, each as a non-blocking
+        # send and receive pair so that a ring of ranks sending to each other cannot deadlock. The
+        # pickles come from our own ranks (the peers of this job), never from storage.
+        import torch
+
+        self.barrier()  # the meeting point: a rank that never comes ends in the group's timeout
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if dest is not None else None
+        size_out = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64)
+        size_in = torch.zeros(1, dtype=torch.int64)
+        self._pairwise(size_out if dest is not None else None, dest, size_in if source is not None else None, source)
+        buf = torch.empty(int(size_in.item()), dtype=torch.uint8) if source is not None else None
+        self._pairwise(data, dest, buf, source)
+        return None if buf is None else pickle.loads(buf.numpy().tobytes())
+
+    def _pairwise(self, out: Any, dest: int | None, into: Any, source: int | None) -> None:
+        glob = self._dist.get_global_rank
+        works: list[Any] = []
+        if into is not None and source is not None:
+            works.append(self._dist.irecv(into, src=glob(self._group, source), group=self._group))
+        if out is not None and dest is not None:
+            works.append(self._dist.isend(out, dst=glob(self._group, dest), group=self._group))
+        for w in works:
+            self._call("sendrecv", w.wait)
+
+
+PIECE_BYTES = 64 << 20
+"""Files move between ranks in pieces of this size: bounded messages, bounded memory."""
+
+
+def exchange_files(comm: Comm, files: list[tuple[str, Path]], dest: int | None, source: int | None,
+                   place: Callable[[str], Path], piece_bytes: int = PIECE_BYTES) -> list[str]:
+    """Send `files` (name, path) to rank `dest` while receiving `source`'s files, each written durably
+    (temp, fsync, link, directory fsync) at `place(name)`; a file already there is kept. Collective:
+    every rank of `comm` calls it, with None for no peer and [] for nothing to send (the ranks first
+    agree on the number of rounds, so that each round is one meeting of all). Returns the names received.
+
+    A rank whose reading fails still sends empty pieces, so its peer never waits on a message that
+    will not come; the error is raised after the exchange. Raises OSError (this rank's files, or a
+    received file that fell short), and CommTimeoutError as the collectives do."""
+    sizes: list[tuple[str, int]] = []
+    failure: OSError | None = None
+    for name, path in files:
+        try:
+            sizes.append((name, path.stat().st_size))
+        except OSError as exc:
+            failure = failure or exc
+    mine = [] if failure is not None or dest is None else sizes
+    everyone: list[list[tuple[str, int]]] = comm.allgather(mine)
+    theirs = everyone[source] if source is not None else []
+
+    def pieces(listing: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        return [(name, off) for name, size in listing for off in range(0, max(size, 1), piece_bytes)]
+
+    out_pieces, in_count = pieces(mine), len(pieces(theirs))
+    rounds = max(len(pieces(listing)) for listing in everyone)
+    paths = dict(files)
+    sinks: dict[str, _Sink] = {}
+    got: list[str] = []
+    try:
+        for i in range(rounds):
+            piece = None
+            if i < len(out_pieces):
+                name, off = out_pieces[i]
+                data = b""
+                try:
+                    with open(paths[name], "rb") as f:
+                        f.seek(off)
+                        data = f.read(piece_bytes)
+                except OSError as exc:
+                    failure = failure or exc
+                piece = (name, data)
+            received = comm.sendrecv(piece, dest if i < len(out_pieces) else None,
+                                     source if i < in_count else None)
+            if received is not None:
+                name, data = received
+                if name not in sinks:
+                    sinks[name] = _Sink(place(name))
+                sinks[name].write(data)
+        for name, size in theirs:
+            sink = sinks.pop(name, None) or _Sink(place(name))
+            if sink.done(size):
+                got.append(name)
+    finally:
+        for sink in sinks.values():
+            sink.abort()
+    if failure is not None:
+        raise failure
+    return got
+
+
+class _Sink:
+    """One received file: written to a temporary name, then linked into place once whole."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        self.tmp = final.with_name(f".{final.name}.{os.getpid()}.recv.tmp")
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in done()/abort()
+        self.n = 0
+
+    def write(self, data: bytes) -> None:
+        self.f.write(data)
+        self.n += len(data)
+
+    def done(self, size: int) -> bool:
+        """Make the file durable at its place; False when the bytes fell short or it was already there."""
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            if self.n != size:
+                raise OSError(f"received {self.n} of {size} bytes of {self.final.name}")
+            try:
+                os.link(self.tmp, self.final)
+            except FileExistsError:
+                return False
+            fsync_dir(self.final.parent)
+            return True
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
 
 
 def as_comm(comm: Any) -> Comm:

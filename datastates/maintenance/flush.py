@@ -9,6 +9,10 @@ most temp files on cold; the version stays pending and is flushed again by
 the next process that opens the store. When cold is unreachable the flusher
 retries with exponential backoff and reports its backlog; saves keep landing
 on hot meanwhile.
+
+In a job of many ranks, each with a node-local hot tier, the flush is parallel: every rank's flusher
+copies the packs that rank wrote (role "part"); rank 0's (role "publisher") copies its own, waits
+until every pack of the version is on cold, and alone writes the manifests, the record and the refs.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
+from ..base.comm import comm_timeout
 from ..base.files import copy_file, replace, write_new
 from ..errors import ConflictError, DataStatesError, IntegrityError
 
@@ -29,11 +34,28 @@ if TYPE_CHECKING:
 log = logging.getLogger("datastates.flush")
 
 
-class Flusher:
-    """Background copier hot -> cold; one per tiered store."""
+class _Waiting(Exception):
+    """The publisher waits for other ranks' packs to reach cold: not a failure of cold."""
 
-    def __init__(self, store: Repository) -> None:
+
+ROLES = ("all", "part", "publisher")
+
+
+class Flusher:
+    """Background copier hot -> cold; one per tiered store.
+
+    `role`: "all" (one process: copy everything, publish), "part" (a rank of a job other than 0: copy
+    the packs this rank wrote, or on resume the ones this node holds; never publish), "publisher"
+    (rank 0: copy its own, wait up to the collective timeout for the other ranks' packs on cold, then
+    publish)."""
+
+    def __init__(self, store: Repository, role: str = "all") -> None:
+        assert role in ROLES
         self.store = store
+        self.role = role
+        self._own: dict[str, set[str]] = {}
+        """Version -> the packs this rank wrote of it (roles part and publisher)."""
+        self._waiting_since: dict[str, float] = {}
         self._queue: deque[str] = deque()
         self._queued: set[str] = set()
         self._cv = threading.Condition()
@@ -77,8 +99,11 @@ class Flusher:
         self.wait(timeout, vid)
         return bool(self.store.catalog.extra(vid).get("cold"))
 
-    def enqueue(self, vid: str) -> None:
+    def enqueue(self, vid: str, own: set[str] | None = None) -> None:
+        """Queue `vid`; `own`: the packs this rank wrote of it (a job of many ranks)."""
         with self._cv:
+            if own is not None:
+                self._own[vid] = set(own)
             if vid not in self._queued:
                 self._queue.append(vid)
                 self._queued.add(vid)
@@ -127,6 +152,12 @@ class Flusher:
                 self._busy = True
             try:
                 self.flush_version(vid)
+            except _Waiting:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+                    self._cv.wait(0.05)
+                continue
             except (OSError, DataStatesError) as exc:
                 self.failures += 1
                 self.last_error = f"{type(exc).__name__}: {exc}"
@@ -159,7 +190,16 @@ class Flusher:
             return  # dropped by fsck/gc meanwhile
         v = store.version(vid)
         packs = store.packs_of(v)
-        self._copy_missing(packs)  # the long part, outside the lock
+        if self.role != "all":
+            mine = self._own.get(vid)
+            self._copy_missing({p for p in packs if hot.pack_path(p).exists()} if mine is None else mine)
+            if self.role == "part":
+                self._own.pop(vid, None)
+                store.catalog.update_extra(vid, {"cold": True}, drop=("flush",))  # this rank's part
+                return
+            self._wait_for_others(vid, packs)
+        else:
+            self._copy_missing(packs)  # the long part, outside the lock
         with cold.sweep_lock():
             # A cold-tier gc (any host) may have deleted a pack since, if no version on cold named it.
             self._copy_missing(packs)
@@ -173,6 +213,22 @@ class Flusher:
             replace(cold.annotation_path(vid), ann.read_bytes())
         self._publish_refs(v)
         store.catalog.update_extra(vid, {"cold": True}, drop=("flush",))
+        self._own.pop(vid, None)
+        self._waiting_since.pop(vid, None)
+
+    def _wait_for_others(self, vid: str, packs: set[str]) -> None:
+        """Raise _Waiting (retried soon) while packs of `vid` that this node lacks are not on cold yet;
+        past the collective timeout, IntegrityError (a rank died before it flushed: retried with backoff)."""
+        hot, cold = self.store.hot, self.store.cold
+        assert cold is not None
+        missing = [p for p in packs if not cold.pack_path(p).exists() and not hot.pack_path(p).exists()]
+        if not missing:
+            return
+        since = self._waiting_since.setdefault(vid, time.monotonic())
+        if time.monotonic() - since < comm_timeout():
+            raise _Waiting(vid)
+        raise IntegrityError(f"{len(missing)} pack(s) of version {vid[:12]} written by other ranks never reached "
+                             "cold (a rank ended before its flush); the version stays on the hot tiers")
 
     def _copy_missing(self, packs: set[str]) -> None:
         hot, cold = self.store.hot, self.store.cold

@@ -50,15 +50,17 @@ def refresh(repo: Repository) -> dict[str, int]:
             counts["pruned"] += 1
     for kind in ("branch", "tag"):
         for name, cid in repo.cold_refs.names(kind).items():  # type: ignore[arg-type]
-            try:
-                mine = repo.refs.get(kind, name)  # type: ignore[arg-type]
-            except IntegrityError:
-                continue  # a damaged hot ref: fsck reports it, --repair moves it aside; never overwrite it here
-            if catalog.record(cid) is None or mine == cid:
-                continue
-            if mine is None or (kind == "branch" and is_ancestor(repo.graph, mine, cid)):
-                with repo.refs.locked():
+            # Read and move under the lock: other processes of this node (the ranks of a job opening
+            # together) refresh the same hot refs at the same time.
+            with repo.refs.locked():
+                try:
+                    mine = repo.refs.get(kind, name)  # type: ignore[arg-type]
+                except IntegrityError:
+                    continue  # a damaged hot ref: fsck reports it, --repair moves it aside; never overwrite it here
+                if catalog.record(cid) is None or mine == cid:
+                    continue
+                if mine is None or (kind == "branch" and is_ancestor(repo.graph, mine, cid)):
                     repo.refs.set_if_equals(kind, name, mine, cid, "refresh from cold",  # type: ignore[arg-type]
                                             locked=True)
-                counts["refs"] += 1
+                    counts["refs"] += 1
     return counts

@@ -47,6 +47,8 @@ class Version:
     """PBT explore: {"old": {...}, "new": {...}} hyperparameter change."""
     replicated: list[str] | None = None
     """A collective save: the key patterns every rank holds identically (loadable at any world size)."""
+    partners: dict[str, list[Any]] | None = None
+    """A collective save with partner replication: rank -> [the rank holding its partner copy, that rank's node]."""
     pruned: bool = field(default=False, compare=False)
     annotations: dict[str, Any] = field(default_factory=dict, compare=False)
     timings: dict[str, float] = field(default_factory=dict, compare=False)
@@ -66,7 +68,7 @@ class Version:
             metrics=self.metrics if self.recorded_metrics is None else self.recorded_metrics, message=self.message,
             branch=self.branch, world_size=self.world_size, bytes_total=self.bytes_total,
             bytes_new=self.bytes_new, chunks_new=self.chunks_new, fork_of=self.fork_of, explore=self.explore,
-            replicated=self.replicated,
+            replicated=self.replicated, partners=self.partners,
         )
 
     @property
@@ -144,7 +146,8 @@ def decode_record(vid: str, data: bytes, **nonid: Any) -> Version:
         branch=rec.get("branch"), world_size=int(rec.get("world_size", 1)),
         bytes_total=int(rec.get("bytes_total", 0)), bytes_new=int(rec.get("bytes_new", 0)),
         chunks_new=int(rec.get("chunks_new", 0)), fork_of=rec.get("fork_of"), explore=rec.get("explore"),
-        replicated=rec.get("replicated"), invalid=bad, **nonid,
+        replicated=rec.get("replicated"),
+        partners=rec.get("partners") if isinstance(rec.get("partners"), dict) else None, invalid=bad, **nonid,
     )
 
 

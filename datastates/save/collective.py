@@ -7,11 +7,17 @@ the owner wrote. `make_visible_collective` is where a distributed version become
 phases: every rank seals its packs and reports; then rank 0 alone writes the record, indexes every
 rank's chunks and moves the branch, and tells the others the outcome. A rank that fails before the
 report (or dies: the launcher then ends the job) leaves nothing visible.
+
+With node-local hot tiers (see `placement`), each rank first sends its sealed packs to its partner
+rank on another node when partner replication is on, before it reports: a version is visible only once
+every partner copy is durable. After rank 0's commit, the leader of every other node's hot tier
+writes the same record, manifests and chunk index into its node's catalog and moves its branch.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import json
 import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass, field
@@ -19,7 +25,7 @@ from typing import Any
 
 import blake3
 
-from ..base.comm import Comm
+from ..base.comm import Comm, exchange_files
 from ..errors import InvalidArgumentError, SaveFailedError
 from ..meta.catalog import Catalog, CommitBatch
 from ..meta.refs import RefStore
@@ -28,6 +34,7 @@ from ..objects.chunks import ChunkLocation
 from ..objects.tier import Tier
 from . import manifest as mf
 from .job import SaveJob
+from .placement import Placement
 from .tree import TensorEntry, dtype_name
 
 
@@ -91,12 +98,15 @@ def plan(entries: list[TensorEntry], patterns: list[str], comm: Comm) -> DistPla
 
 def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: RefStore, catalog: Catalog,
                             before_record: Callable[[], None], wants_flush: Callable[[str | None], bool],
-                            overwrite_chunks: bool) -> tuple[str, bytes, bool]:
+                            overwrite_chunks: bool, placement: Placement | None = None) -> tuple[str, bytes, bool]:
     """Commit a collective save from every rank (call on every rank, in the same save order).
     Returns (id, record bytes, queued for cold) on every rank. Raises SaveFailedError on every rank
-    when any rank failed to report or rank 0 failed to commit: then nothing is visible."""
+    when any rank failed to report (its partner copy included) or rank 0 failed to commit: then
+    nothing is visible."""
     comm = dist.comm
     mine = {str(i): (job.entries[i].chunks, job.entries[i].stats) for i, r in dist.owners.items() if r == comm.rank}
+    if placement is not None and placement.partner is not None:
+        _send_to_partner(job, placement, comm, tier)
     failure = None if job.failure is None else f"{type(job.failure).__name__}: {job.failure}"
     reports = comm.allgather({"rows": mine, "failure": failure})
     failed = [f"rank {r}: {rep['failure']}" for r, rep in enumerate(reports) if rep["failure"]]
@@ -111,15 +121,18 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
     tier.write_manifest(mid, mdata)
     job.timings["rank_bytes_written"] = job.bytes_new  # what this rank wrote (the record sums every rank's)
     packs = {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name} for w in job.packs}
+    many_tiers = placement is not None and placement.groups > 1
     phase1 = comm.allgather({"mid": mid, "chunks": [(c, astuple(loc)) for c, loc in job.new_chunks.items()],
                              "packs": packs, "bytes_new": job.bytes_new, "chunks_new": len(job.new_chunks),
-                             "bytes_total": sum(e.nbytes for i, e in enumerate(job.entries) if i not in dist.remote)})
+                             "bytes_total": sum(e.nbytes for i, e in enumerate(job.entries) if i not in dist.remote),
+                             # every node's catalog needs every rank's manifest (loads at other world sizes)
+                             "mdata": mdata if many_tiers else None})
     outcome: Any = None
     if comm.rank == 0:
         try:
             outcome = _commit_on_root(job, dist, phase1, tier=tier, refs=refs, catalog=catalog,
                                       before_record=before_record, wants_flush=wants_flush,
-                                      overwrite_chunks=overwrite_chunks)
+                                      overwrite_chunks=overwrite_chunks, placement=placement)
         except BaseException as exc:  # every rank must hear of it, or the others would wait forever
             outcome = ("error", f"{type(exc).__name__}: {exc}")
             comm.bcast(outcome)
@@ -129,20 +142,71 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
         raise SaveFailedError(f"rank 0 could not commit the collective save: {outcome[1]}; nothing is visible")
     _, vid, data, to_flush = outcome
     job.committed = True
+    if placement is not None and placement.applies_commits:
+        apply_on_node(vid, data, phase1, tier=tier, refs=refs, catalog=catalog, to_flush=to_flush,
+                      overwrite_chunks=overwrite_chunks)
     return vid, data, to_flush
 
 
-def _commit_on_root(job: SaveJob, dist: DistPlan, phase1: list[dict[str, Any]], *, tier: Tier, refs: RefStore,
-                    catalog: Catalog, before_record: Callable[[], None], wants_flush: Callable[[str | None], bool],
-                    overwrite_chunks: bool) -> tuple[str, str, bytes, bool]:
-    req = job.request
-    branch = req["branch"]
+def _send_to_partner(job: SaveJob, placement: Placement, comm: Comm, tier: Tier) -> None:
+    """Copy this rank's sealed packs into its partner's hot tier while receiving the packs of the rank
+    it is partner to; a failure on either side becomes this rank's failure (reported to every rank)."""
+    files = [] if job.failure is not None else [(w.id, tier.pack_path(w.id)) for w in job.packs]
+    t0 = time.perf_counter()
+    try:
+        exchange_files(comm, files, placement.partner_of(comm.rank), placement.held_for(comm.rank), tier.pack_path)
+    except OSError as exc:
+        if job.failure is None:
+            job.failure = SaveFailedError(f"the partner copy of rank {comm.rank}'s packs failed: {exc}")
+    job.timings["partner_s"] = time.perf_counter() - t0
+    job.timings["partner_bytes"] = sum(w.size for w in job.packs)
+
+
+def _merged(phase1: list[dict[str, Any]]) -> tuple[dict[bytes, ChunkLocation], dict[str, dict[str, Any]]]:
+    """Every rank's new chunk locations and packs, as one commit names them."""
     chunks: dict[bytes, ChunkLocation] = {}
     packs: dict[str, dict[str, Any]] = {}
     for rep in phase1:
         for cid, loc in rep["chunks"]:
             chunks.setdefault(cid, ChunkLocation(*loc))  # the same bytes written twice: one copy is enough
         packs.update(rep["packs"])
+    return chunks, packs
+
+
+def apply_on_node(vid: str, data: bytes, phase1: list[dict[str, Any]], *, tier: Tier, refs: RefStore,
+                  catalog: Catalog, to_flush: bool, overwrite_chunks: bool) -> None:
+    """Write rank 0's commit `vid` into this node's hot tier and catalog: every rank's manifest, the
+    record, the chunk index, and the branch (moved to `vid` when it still points at a parent of it, as
+    on rank 0). Idempotent: a catalog that already holds `vid` (a tier shared with rank 0) is left as is."""
+    rec = json.loads(data)
+    with refs.locked():
+        if catalog.record(vid) is not None:
+            return
+        for rep in phase1:
+            if rep.get("mdata") is not None:
+                tier.write_manifest(rep["mid"], rep["mdata"])
+        tier.write_record(vid, data)
+        chunks, packs = _merged(phase1)
+        parents = list(rec.get("parents") or [])
+        extra: dict[str, Any] = {"flush": "pending"} if to_flush else {}
+        catalog.commit(CommitBatch(vid, data, parents, list(chunks.items()), packs, extra,
+                                   overwrite_chunks=overwrite_chunks))
+        branch = rec.get("branch")
+        if branch:
+            head = refs.get("branch", branch)
+            if head is None or head in parents:
+                refs.set_if_equals("branch", branch, head, vid, "save (collective, applied on this node)", locked=True)
+
+
+def _commit_on_root(job: SaveJob, dist: DistPlan, phase1: list[dict[str, Any]], *, tier: Tier, refs: RefStore,
+                    catalog: Catalog, before_record: Callable[[], None], wants_flush: Callable[[str | None], bool],
+                    overwrite_chunks: bool, placement: Placement | None) -> tuple[str, str, bytes, bool]:
+    req = job.request
+    branch = req["branch"]
+    chunks, packs = _merged(phase1)
+    for rep in phase1:
+        if rep.get("mdata") is not None:
+            tier.write_manifest(rep["mid"], rep["mdata"])  # the other ranks' manifests, on rank 0's node too
     with refs.locked():
         before_record()
         head = refs.get("branch", branch) if branch else None
@@ -154,6 +218,9 @@ def _commit_on_root(job: SaveJob, dist: DistPlan, phase1: list[dict[str, Any]], 
             bytes_total=sum(rep["bytes_total"] for rep in phase1),
             bytes_new=sum(rep["bytes_new"] for rep in phase1), chunks_new=len(chunks),
             fork_of=req["fork_of"], explore=req["explore"], replicated=sorted(dist.replicated) or None,
+            # where each rank's partner copy lives: rank -> [partner rank, its node]
+            partners=None if placement is None or placement.partner is None else {
+                str(r): [p, placement.nodes[p]] for r, p in enumerate(placement.partner)},
         )
         vid, data = encode_record(rec)
         tier.write_record(vid, data)

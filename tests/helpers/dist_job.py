@@ -11,6 +11,12 @@
              hang   - rank 1 never joins the save: rank 0 gets CommTimeoutError, then aborts the job
              failrank - rank 1's pack writes fail (OSError) in the first save: every rank must get
                         SaveFailedError, nothing visible; then a second save works on every rank
+             flushed - as save, then wait until the flusher has everything on cold; report this
+                       rank's packs of the last version
+
+Node-local hot tiers (optional, from the environment): FAKE_NODES=k puts the ranks on k fake nodes
+($DATASTATES_NODE = node0..), DIST_HOT a hot directory with "{node}" in it, DIST_PARTNER=1 partner
+replication.
 
 Every rank appends its results as JSON lines to $DIST_OUT/<rank>.jsonl (mpiexec may interleave the
 ranks' stdout mid-line); the test reads them.
@@ -59,10 +65,25 @@ def comm_for(backend: str, init_file: str | None) -> object:
     return "torch"
 
 
+def world_rank(backend: str) -> tuple[int, int]:
+    if backend == "mpi":
+        from mpi4py import MPI
+
+        return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+
 def main() -> None:
     backend, path, mode = sys.argv[1:4]
+    hot = None
+    if os.environ.get("FAKE_NODES"):
+        r, n = world_rank(backend)
+        node = f"node{r * int(os.environ['FAKE_NODES']) // n}"
+        os.environ["DATASTATES_NODE"] = node  # before the communicator reads it
+        hot = os.environ["DIST_HOT"].replace("{node}", node) if os.environ.get("DIST_HOT") else None
     comm = comm_for(backend, sys.argv[4] if len(sys.argv) > 4 else None)
-    store = ds.Store.open(path, comm=comm)
+    store = ds.Store.open(path, comm=comm, hot=hot, partner=os.environ.get("DIST_PARTNER") == "1",
+                          create=mode != "load")
     rank, size = store.comm.rank, store.comm.size
     if mode == "killed" and rank == 1:
         import datastates.store as store_module
@@ -74,7 +95,7 @@ def main() -> None:
             return original(*args, **kw)  # type: ignore[arg-type]
 
         store_module.make_visible_collective = die  # type: ignore[assignment]
-    if mode in ("save", "killed"):
+    if mode in ("save", "killed", "flushed"):
         for step in (1, 2):
             state = {**replicated_state(step), "shard": shard(rank, step)}
             if step == 1:
@@ -82,8 +103,10 @@ def main() -> None:
             else:
                 v = store.save_async(state, step=step, replicated=["model", "optim"]).result()
             report(rank, {"rank": rank, "size": size, "step": step, "id": v.id,
-                                          "written": v.timings.get("rank_bytes_written"),
-                                          "world_size": v.world_size})
+                          "written": v.timings.get("rank_bytes_written"), "world_size": v.world_size,
+                          "partners": v.partners, "node": store.comm.node})
+        if mode == "flushed":
+            report(rank, {"rank": rank, "flushed": store.flush(timeout=120)})
     elif mode == "mismatch":
         state = replicated_state(1)
         if rank == 1:

@@ -1,0 +1,91 @@
+"""Restart of a job whose node-local hot tiers were partly lost (SCR's rebuild from a partner).
+
+At a collective open, every rank tells whether its node's hot tier is whole (a FORMAT file and a
+catalog). A lost one (a replaced node, a wiped local disk) is rebuilt from a surviving node's hot
+tier before anything else opens it: from the node that holds its partner copies when partner
+replication is on, else from the first surviving node. The donor's leader sends its records,
+manifests, annotations, refs, reflogs, packs and a consistent snapshot of its catalog; the lost node's
+leader writes them durably. Nothing is read from the cold tier, so a restart works while the parallel
+file system is down. When every node's hot tier is lost, nothing is sent and the open rebuilds from
+cold as a single process would.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+from ..base.comm import Comm, exchange_files
+from ..errors import InvalidArgumentError
+from ..save.placement import partner_ring
+
+log = logging.getLogger("datastates")
+
+_NOT_SENT = ("catalog", "locks", "quarantine", "tmp")
+"""Parts of a hot tier that are not copied as files: the catalog goes as a snapshot; locks, quarantined
+files and temporaries belong to the node they are on."""
+
+
+def tier_is_whole(hot: Path) -> bool:
+    return (hot / "FORMAT").is_file() and (hot / "catalog" / "data.mdb").is_file()
+
+
+def restore_lost_nodes(comm: Comm, hot: Path, *, partner: bool) -> int:
+    """Rebuild the hot tiers of this job that are missing from surviving ones (collective: every rank
+    at open, before the tier is opened). Returns the number of files this rank received.
+    Raises OSError or CommTimeoutError when the transfer fails (the lost tier is then left partial:
+    the next collective open sees it has no catalog and rebuilds it again)."""
+    hot = hot.expanduser()
+    seen = comm.allgather((comm.node, str(hot.resolve()), tier_is_whole(hot)))
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r, (node, root, _) in enumerate(seen):
+        groups.setdefault((node, root), []).append(r)
+    whole = {g for g, ranks in groups.items() if seen[ranks[0]][2]}
+    lost = [g for g in groups if g not in whole]
+    if not lost or not whole:
+        return 0  # nothing to rebuild, or nothing to rebuild from (then the open rebuilds from cold)
+    ring: list[int] | None = None
+    if partner:
+        try:
+            ring = partner_ring([n for n, _, _ in seen])
+        except InvalidArgumentError:
+            ring = None
+    received = 0
+    for g in lost:
+        leader = groups[g][0]
+        donor_group = next(iter(sorted(whole, key=lambda w: groups[w][0])))
+        if ring is not None:
+            holder = (seen[ring[leader]][0], seen[ring[leader]][1])
+            donor_group = holder if holder in whole else donor_group
+        donor = groups[donor_group][0]
+        with tempfile.TemporaryDirectory(prefix="datastates-snapshot-") as snap:
+            files = _tier_files(hot, Path(snap)) if comm.rank == donor else []
+            if comm.rank == donor:
+                log.warning("node %s's hot tier %s is lost; sending it %d files of this node's hot tier",
+                            g[0], g[1], len(files))
+            got = exchange_files(comm, files, leader if comm.rank == donor else None,
+                                 donor if comm.rank == leader else None, lambda name: hot / name)
+        received += len(got)
+    # No rank opens its tier before every lost one is whole: a rank sharing the lost node would
+    # otherwise find it half-written and create an empty catalog there.
+    comm.barrier()
+    return received
+
+
+def _tier_files(hot: Path, snap: Path) -> list[tuple[str, Path]]:
+    """(relative name, path) of every file a rebuilt hot tier needs, the catalog as a snapshot in `snap`."""
+    import lmdb
+
+    files: list[tuple[str, Path]] = []
+    for p in sorted(hot.rglob("*")):
+        rel = p.relative_to(hot)
+        if p.is_file() and rel.parts[0] not in _NOT_SENT and not p.name.endswith(".tmp"):
+            files.append((str(rel), p))
+    env = lmdb.open(str(hot / "catalog"), readonly=True, lock=False, subdir=True, max_dbs=64)
+    try:
+        env.copy(str(snap), compact=True)  # a consistent copy even while this node's ranks read it
+    finally:
+        env.close()
+    files.append(("catalog/data.mdb", snap / "data.mdb"))
+    return files

@@ -1,0 +1,127 @@
+"""Node-local hot tiers, partner replication (SCR's PARTNER) and restart from a partner, over real
+`mpiexec` (mpich) and torch.distributed (gloo), with nodes faked by $DATASTATES_NODE on this machine.
+
+The job is tests/helpers/dist_job.py (see test_distributed.py); each fake node has its own hot
+directory, the store path is the shared cold tier. "Without cold" is proven by moving the cold
+directory away before the restart: any read of it would fail, and the open must not recreate it.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import datastates as ds
+from datastates.base.comm import SingleComm, exchange_files
+from datastates.save.placement import Placement, partner_ring
+from test_distributed import REPLICATED_BYTES, SHARD_BYTES, mpi, mpirun, torchrun
+
+
+def _env(tmp: Path, partner: bool = True) -> dict[str, str]:
+    return {"FAKE_NODES": "2", "DIST_HOT": str(tmp / "hot-{node}"), "DIST_PARTNER": "1" if partner else "0"}
+
+
+def _packs(d: Path) -> set[str]:
+    return {p.name for p in (d / "packs").glob("*.pack")}
+
+
+def _all_loaded(rows: list[dict[str, object]], n: int, own: bool) -> bool:
+    return len(rows) == n and all(
+        r["replicated_ok"] and all(r["shards_ok"].values()) and r["own_shard_ok"] == own  # type: ignore[union-attr]
+        for r in rows)
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+def test_mpi_partner_copies_let_a_lost_node_restart_without_cold_then_cold_serves_when_both_are_lost(
+        tmp_path: Path) -> None:
+    cold, env = tmp_path / "cold", _env(tmp_path)
+    _, out = mpirun(4, cold, "flushed", env=env)
+    saved = [r for r in out if "step" in r]
+    assert [r["flushed"] for r in out if "flushed" in r] == [True] * 4  # each rank's part, rank 0 published
+    last = [r for r in saved if r["step"] == 2]
+    assert len({r["id"] for r in last}) == 1
+    assert last[0]["partners"] == {"0": [2, "node1"], "1": [3, "node1"], "2": [0, "node0"], "3": [1, "node0"]}
+    written = [r["written"] - SHARD_BYTES for r in last]
+    assert sum(written) == REPLICATED_BYTES  # still once in total: partner copies are not "written" bytes
+    node0, node1 = tmp_path / "hot-node0", tmp_path / "hot-node1"
+    # every pack is on both nodes (its writer's and its partner's) and, flushed in parallel, on cold
+    assert _packs(node0) == _packs(node1) == _packs(cold) and len(_packs(cold)) == 8
+    with ds.Store.open(cold) as s:  # cold alone is a whole store: record, manifests, refs published once
+        v = s.version("main")
+        assert v.step == 2 and v.world_size == 4 and v.partners == last[0]["partners"] and s.fsck().ok
+
+    shutil.rmtree(node1)  # node 1 is lost (a replaced node, a wiped disk) ...
+    cold.rename(tmp_path / "cold-away")  # ... and the parallel file system is down
+    _, loaded = mpirun(4, cold, "load", env=env)
+    assert _all_loaded(loaded, 4, own=True)  # every rank bit-exact, from its node or its partner's copy
+    assert not cold.exists()  # nothing read from cold, nothing recreated there
+    assert (node1 / "catalog" / "data.mdb").is_file() and _packs(node1) == _packs(node0)
+    _, loaded = mpirun(2, cold, "load", env=env)  # another world size, still without cold
+    assert _all_loaded(loaded, 2, own=False)
+
+    (tmp_path / "cold-away").rename(cold)
+    shutil.rmtree(node0)
+    shutil.rmtree(node1)  # a node and its partner lost: only cold has the version
+    _, loaded = mpirun(4, cold, "load", env=env)
+    assert _all_loaded(loaded, 4, own=True)
+
+
+@pytest.mark.timeout(600)
+def test_torch_distributed_partner_copies_and_restart_without_cold(tmp_path: Path) -> None:
+    cold, env = tmp_path / "cold", _env(tmp_path)
+    saved = torchrun(2, cold, "save", tmp_path / "init-save", env=env)
+    last = [r for r in saved if r["step"] == 2]
+    assert len({r["id"] for r in last}) == 1 and last[0]["partners"] == {"0": [1, "node1"], "1": [0, "node0"]}
+    node0, node1 = tmp_path / "hot-node0", tmp_path / "hot-node1"
+    assert _packs(node0) == _packs(node1) and len(_packs(node0)) == 4  # 2 ranks x 2 versions
+    shutil.rmtree(node0)
+    cold.rename(tmp_path / "cold-away")
+    loaded = torchrun(2, cold, "load", tmp_path / "init-load", env=env)
+    assert _all_loaded(loaded, 2, own=True) and not cold.exists()
+
+
+def test_partner_needs_a_hot_tier_and_two_nodes_and_changes_nothing_when_refused(tmp_path: Path) -> None:
+    with pytest.raises(ds.InvalidArgumentError, match="hot="):
+        ds.Store.open(tmp_path / "s", partner=True)
+    with pytest.raises(ds.InvalidArgumentError, match="at least two nodes"):
+        ds.Store.open(tmp_path / "s", hot=tmp_path / "h", partner=True)  # one process: one node
+    assert not (tmp_path / "s").exists() and not (tmp_path / "h").exists()
+
+
+def test_partner_ring_puts_every_partner_on_another_node_once() -> None:
+    assert partner_ring(["a", "a", "b", "b"]) == [2, 3, 0, 1]
+    assert partner_ring(["a", "b", "a", "b"]) == [1, 0, 3, 2]
+    assert partner_ring(["a", "a", "b", "b", "c", "c"]) == [2, 3, 4, 5, 0, 1]
+    for nodes in (["a", "a", "b", "c"], ["x", "y", "z"], ["n1"] * 3 + ["n2"] * 3 + ["n3"] * 2):
+        ring = partner_ring(nodes)
+        assert sorted(ring) == list(range(len(nodes)))  # a permutation: each rank sends and receives once
+        assert all(nodes[ring[r]] != nodes[r] for r in range(len(nodes)))
+    with pytest.raises(ds.InvalidArgumentError, match="at most half"):
+        partner_ring(["a", "a", "a", "b"])
+    p = Placement(1, ["a", "a", "b", "b"], ["/h", "/h", "/h", "/h"], partner_ring(["a", "a", "b", "b"]))
+    assert p.partner_of(1) == 3 and p.held_for(1) == 3 and p.leader(1) == 0 and p.groups == 2
+    assert not p.applies_commits  # rank 1 shares rank 0's hot tier: rank 0 commits there
+    assert Placement(2, p.nodes, p.roots, p.partner).applies_commits  # rank 2 leads node b
+
+
+def test_exchange_files_moves_whole_files_in_pieces_and_keeps_what_is_there(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    blobs = {"empty": b"", "one": b"x", "several": bytes(range(10)), "exact": b"abcdefgh"}
+    for name, data in blobs.items():
+        (src / name).write_bytes(data)
+    (dst / "kept").mkdir(parents=True)
+    (dst / "kept" / "exact").write_bytes(b"already!")  # same name already there: kept, not replaced
+    files = [(name, src / name) for name in blobs]
+    place = {name: dst / ("kept" if name == "exact" else "new") / name for name in blobs}
+    got = exchange_files(SingleComm(), files, 0, 0, place.__getitem__, piece_bytes=4)
+    assert sorted(got) == ["empty", "one", "several"]
+    assert {n: place[n].read_bytes() for n in blobs} == {**blobs, "exact": b"already!"}
+    assert not [p for p in dst.rglob("*") if p.name.endswith(".tmp")]  # no temporaries left
+    with pytest.raises(FileNotFoundError):
+        exchange_files(SingleComm(), [("gone", src / "gone")], 0, 0, lambda n: dst / n)
+    assert not (dst / "gone").exists()
