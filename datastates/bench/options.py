@@ -96,8 +96,8 @@ def add_parser(sub: Any) -> None:
                    help="open the store with reuse_unchanged=True (skip tensors torch's version counter says are "
                         "untouched since the last save)")
     p.add_argument("--rss", action="store_true",
-                   help="measure peak RSS instead of time: datastates save and load, torch.save and torch.load, "
-                        "each in a fresh process, against issue 13's bounds (default 3 repeats)")
+                   help="measure peak RSS instead of time: datastates save, save_async and load, torch.save and "
+                        "torch.load, each in a fresh process, against issue 13's bounds (default 3 repeats)")
     p.add_argument("--window", type=float, default=None,
                    help="minimum seconds per training window (default: the slowest background save, >= 1 s); "
                         "a window always lasts until its save is complete")

@@ -1,6 +1,6 @@
 """Peak RSS of one save or one load, each in a fresh process: `datastates bench --rss` (issue 13).
 
-    datastates bench --rss --shape transformer         # 4 methods x 3 fresh processes, medians
+    datastates bench --rss --shape transformer         # 5 methods x 3 fresh processes, medians
     datastates bench --rss --quick --size 8MiB         # a tiny state (what the tests run)
     python -m datastates.bench.rss --method ds_load --dir DIR --shape cnn   # one child, as the run starts it
 
@@ -57,13 +57,14 @@ if TYPE_CHECKING:
 
 RSS_METHODS: dict[str, str] = {
     "ds_save": "datastates save (sync, durable)",
+    "ds_save_async": "datastates save_async, to durable",
     "torch_save_fsync": "torch.save + fsync",
     "ds_load": "datastates load (full)",
     "torch_load": "torch.load",
 }
 """The methods `--rss` measures, in print order; the JSON uses these keys."""
 
-SAVES = ("ds_save", "torch_save_fsync")
+SAVES = ("ds_save", "ds_save_async", "torch_save_fsync")
 SAVE_SLACK = 0.10
 """A save may grow by its pool plus this share of the state (issue 13: state + pool + 10 %)."""
 LOAD_FACTOR = 1.1
@@ -158,7 +159,11 @@ def _child(argv: list[str] | None = None) -> int:
             # The same pool the timed bench gives the store (twice the state); the bound uses what it
             # actually holds after the save, since slots are allocated on first use only.
             store = Store.open(out, pool_bytes=2 * size, chunk_size=args.chunk_size, zstd_level=args.zstd)
-            store.save(state, branch="main", message="rss")
+            if method == "ds_save_async":
+                # Copies every tensor into pool slots (a sync save reads big ones in place): the pool's case.
+                store.save_async(state, branch="main", message="rss").result()
+            else:
+                store.save(state, branch="main", message="rss")
             pool = store.pool
             figures = {"pool_bytes": pool.allocated_bytes, "pool_capacity_bytes": pool.max_slots * pool.slot_bytes}
             store.close()
