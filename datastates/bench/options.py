@@ -209,10 +209,11 @@ def command_line(cfg: Config) -> str:
         parts += [f"--shape {cfg.shape}", f"--scale {cfg.scale:g}"]
         if cfg.shape in ("small", "uniform") and cfg.tensors:
             parts.append(f"--tensors {cfg.tensors}")
-        parts += [f"--repeats {cfg.repeats}", f"--unchanged {cfg.unchanged:g}"]
     else:
-        parts += [f"--size {cfg.size}", f"--tensors {cfg.tensors}", f"--repeats {cfg.repeats}",
-                  f"--unchanged {cfg.unchanged:g}"]
+        parts += [f"--size {cfg.size}", f"--tensors {cfg.tensors}"]
+    parts.append(f"--repeats {cfg.repeats}")
+    if not cfg.rss:  # --rss has no partial save
+        parts.append(f"--unchanged {cfg.unchanged:g}")
     if cfg.reuse_unchanged:
         parts.append("--reuse-unchanged")
     if cfg.chunk_size:
