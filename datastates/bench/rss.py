@@ -19,8 +19,8 @@ What a measurement guarantees:
   store too); a load's result is the state's bytes and is part of its growth, touched once per page
   so a lazy loader pays for its pages as an eager one does;
 - the state is the one `datastates bench` builds (`--shape`/`--scale`, or `--size`/`--tensors`),
-  seeded, so the loads read what the saves write; the files for the loads are written once by an
-  untimed child before the measurements;
+  seeded, so the loads read the same state the saves write; the files for the loads are written once
+  by an unmeasured child before the measurements;
 - methods are interleaved inside each repeat; the median of the repeats is reported with every sample;
 - every file lives in one fresh directory under `--dir`, removed at the end.
 
@@ -166,7 +166,7 @@ def _child(argv: list[str] | None = None) -> int:
                 store.save(state, branch="main", message="rss")
             pool = store.pool
             figures = {"pool_bytes": pool.allocated_bytes, "pool_capacity_bytes": pool.max_slots * pool.slot_bytes}
-            store.close()
+            store.close()  # inside the measurement: a save is done when its store can be closed
             return figures
 
         result = {"state_bytes": size, **_measure(save)}
