@@ -3,6 +3,7 @@
     datastates bench                          # 1 GiB state, 32 tensors, 5 repeats, every method
     datastates bench --quick --skip dcp       # 64 MiB, 2 repeats (what the tests run)
     datastates bench --json-out bench.json    # also write every sample as JSON ("-" = stdout)
+    datastates bench --rss --shape cnn        # peak RSS of each save and load, each in a fresh process
 
 What a run guarantees:
 - every method sees the same state, allocated once and mutated in place (`add_(1)`) before every
@@ -34,6 +35,7 @@ from pathlib import Path
 from .options import SKIPPABLE, TARGETS, Config, add_parser, command_line, config_from_args, parse_size
 from .peers import make_state
 from .report import print_report
+from .rss import print_rss_report, run_rss
 from .runner import run
 
 
@@ -44,9 +46,14 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"datastates bench: {exc}", file=sys.stderr)
         return 2
-    rep = run(cfg)
     # With the JSON on stdout, the table goes to stderr so stdout stays parseable.
-    print_report(rep, sys.stderr if args.json_out == "-" else sys.stdout)
+    table = sys.stderr if args.json_out == "-" else sys.stdout
+    if cfg.rss:
+        rep = run_rss(cfg)
+        print_rss_report(rep, table)
+    else:
+        rep = run(cfg)
+        print_report(rep, table)
     if args.json_out:
         text = json.dumps(rep, indent=2)
         if args.json_out == "-":
@@ -57,4 +64,4 @@ def main(args: argparse.Namespace) -> int:
 
 
 __all__ = ["SKIPPABLE", "TARGETS", "Config", "add_parser", "command_line", "config_from_args", "main", "make_state",
-           "parse_size", "print_report", "run"]
+           "parse_size", "print_report", "print_rss_report", "run", "run_rss"]

@@ -95,6 +95,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--reuse-unchanged", action="store_true",
                    help="open the store with reuse_unchanged=True (skip tensors torch's version counter says are "
                         "untouched since the last save)")
+    p.add_argument("--rss", action="store_true",
+                   help="measure peak RSS instead of time: datastates save, save_async and load, torch.save and "
+                        "torch.load, each in a fresh process, against issue 13's bounds (default 3 repeats)")
     p.add_argument("--window", type=float, default=None,
                    help="minimum seconds per training window (default: the slowest background save, >= 1 s); "
                         "a window always lasts until its save is complete")
@@ -120,6 +123,7 @@ class Config:
     window: float | None = None
     shape: str | None = None
     scale: float = 1.0
+    rss: bool = False
 
 
 @dataclass
@@ -197,16 +201,19 @@ INFO_RATIOS = (
 def command_line(cfg: Config) -> str:
     """The `datastates bench` command that reproduces `cfg` (written into the report)."""
     parts = ["datastates bench"]
+    if cfg.rss:
+        parts.append("--rss")
     if cfg.quick:
         parts.append("--quick")
     if cfg.shape:
         parts += [f"--shape {cfg.shape}", f"--scale {cfg.scale:g}"]
         if cfg.shape in ("small", "uniform") and cfg.tensors:
             parts.append(f"--tensors {cfg.tensors}")
-        parts += [f"--repeats {cfg.repeats}", f"--unchanged {cfg.unchanged:g}"]
     else:
-        parts += [f"--size {cfg.size}", f"--tensors {cfg.tensors}", f"--repeats {cfg.repeats}",
-                  f"--unchanged {cfg.unchanged:g}"]
+        parts += [f"--size {cfg.size}", f"--tensors {cfg.tensors}"]
+    parts.append(f"--repeats {cfg.repeats}")
+    if not cfg.rss:  # --rss has no partial save
+        parts.append(f"--unchanged {cfg.unchanged:g}")
     if cfg.reuse_unchanged:
         parts.append("--reuse-unchanged")
     if cfg.chunk_size:
@@ -243,14 +250,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
     if args.chunk_size is not None and args.chunk_size % 64:
         raise ValueError(f"--chunk-size {args.chunk_size} must be a multiple of 64 bytes")
     quick = bool(args.quick)
-    repeats = args.repeats if args.repeats is not None else (2 if quick else 5)
+    rss = bool(getattr(args, "rss", False))
+    # --rss: each repeat is a fresh process per method; three give a median that one outlier cannot move.
+    repeats = args.repeats if args.repeats is not None else (3 if rss else 2 if quick else 5)
     if repeats < 1:
         raise ValueError("--repeats must be at least 1")
     if shape is not None:
         scale = scale if scale is not None else (1 / 16 if quick else 1.0)
     return Config(size=args.size or ((64 << 20) if quick else (1 << 30)),
                   tensors=args.tensors if args.tensors is not None else (0 if shape else 32), repeats=repeats,
-                  shape=shape, scale=scale if scale is not None else 1.0,
+                  shape=shape, scale=scale if scale is not None else 1.0, rss=rss,
                   unchanged=args.unchanged, bench_dir=args.bench_dir, quick=quick, skip=skip,
                   chunk_size=args.chunk_size, zstd=args.zstd, reuse_unchanged=args.reuse_unchanged,
                   window=args.window if args.window is not None else (1.0 if quick else None))

@@ -8,10 +8,14 @@ import gc
 import os
 import resource
 import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from .options import Config
+from .shapes import approx_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +41,26 @@ def _fs_type(path: Path) -> str:
     except OSError:
         pass
     return kind
+
+
+def fresh_dir(cfg: Config, states: float, prefix: str, log: Callable[[str], None]) -> tuple[Path, str, Path]:
+    """The run's parent directory (`--dir`, default the current one), its file system type, and a fresh
+    directory made under it for every file of the run (the caller removes it).
+
+    Raises SystemExit (with a message) when the parent has less free space than `states` states.
+    """
+    parent = Path(cfg.bench_dir or os.getcwd()).expanduser()
+    parent.mkdir(parents=True, exist_ok=True)
+    fs = _fs_type(parent)
+    if fs in ("tmpfs", "ramfs"):
+        log(f"WARNING: {parent} is on {fs}: writes measure memory, not a disk; pass --dir on a real disk")
+    size = approx_bytes(cfg.shape, cfg.scale, cfg.tensors or None) if cfg.shape else cfg.size
+    need = int(size * states)
+    free = shutil.disk_usage(parent).free
+    if free < need:
+        raise SystemExit(f"datastates bench: {parent} has {free / 2**30:.1f} GiB free; this run needs about "
+                         f"{need / 2**30:.1f} GiB (lower --size, --scale or --repeats, or pick another --dir)")
+    return parent, fs, Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
 
 
 def _mem_total() -> int:

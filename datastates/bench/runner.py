@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import gc
-import os
 import shutil
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -29,7 +27,6 @@ from .peers import (
     Warmup,
     _check_equal,
     _drop_cache,
-    _fs_type,
     _is_done,
     _load_and_touch,
     _mutate,
@@ -38,10 +35,11 @@ from .peers import (
     _result,
     _safetensors_save,
     _torch_save,
+    fresh_dir,
     make_state,
 )
 from .report import _report
-from .shapes import approx_bytes, build
+from .shapes import build
 
 # --- the run -------------------------------------------------------------------------------------------------
 
@@ -55,19 +53,8 @@ def run(cfg: Config) -> dict[str, Any]:
 
     Raises SystemExit (with a message) when the directory lacks the disk space the run needs.
     """
-    parent = Path(cfg.bench_dir or os.getcwd()).expanduser()
-    parent.mkdir(parents=True, exist_ok=True)
-    fs = _fs_type(parent)
-    if fs in ("tmpfs", "ramfs"):
-        _log(f"WARNING: {parent} is on {fs}: writes measure memory, not a disk; pass --store on a real disk")
     # The datastates store keeps every version until the end: ~2.1 states per repeat plus the first ones.
-    size = approx_bytes(cfg.shape, cfg.scale, cfg.tensors or None) if cfg.shape else cfg.size
-    need = size * (2 * cfg.repeats + 5)
-    free = shutil.disk_usage(parent).free
-    if free < need:
-        raise SystemExit(f"datastates bench: {parent} has {free / 2**30:.1f} GiB free; this run needs about "
-                         f"{need / 2**30:.1f} GiB (lower --size or --repeats, or pick another --store)")
-    root = Path(tempfile.mkdtemp(prefix=".datastates-bench-", dir=parent))
+    parent, fs, root = fresh_dir(cfg, 2 * cfg.repeats + 5, ".datastates-bench-", _log)
     res = Results()
     t_start = time.time()
     try:
