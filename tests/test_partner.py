@@ -12,11 +12,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+from test_distributed import REPLICATED_BYTES, SHARD_BYTES, mpi, mpirun, torchrun
 
 import datastates as ds
 from datastates.base.comm import SingleComm, exchange_files
 from datastates.save.placement import Placement, partner_ring
-from test_distributed import REPLICATED_BYTES, SHARD_BYTES, mpi, mpirun, torchrun
 
 
 def _env(tmp: Path, partner: bool = True) -> dict[str, str]:
