@@ -8,10 +8,12 @@ directory away before the restart: any read of it would fail, and the open must 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
 import pytest
+from jsonschema import Draft202012Validator
 from test_distributed import REPLICATED_BYTES, SHARD_BYTES, mpi, mpirun, torchrun
 
 import datastates as ds
@@ -53,6 +55,9 @@ def test_mpi_partner_copies_let_a_lost_node_restart_without_cold_then_cold_serve
     with ds.Store.open(cold) as s:  # cold alone is a whole store: record, manifests, refs published once
         v = s.version("main")
         assert v.step == 2 and v.world_size == 4 and v.partners == last[0]["partners"] and s.fsck().ok
+        record = json.loads(s.tier.read_record(v.id) or b"null")
+    schema = json.loads((Path(__file__).parents[1] / "schemas" / "version-record.schema.json").read_text())
+    assert list(Draft202012Validator(schema).iter_errors(record)) == []  # partners and replicated documented
 
     shutil.rmtree(node1)  # node 1 is lost (a replaced node, a wiped disk) ...
     cold.rename(tmp_path / "cold-away")  # ... and the parallel file system is down

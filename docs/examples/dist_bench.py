@@ -7,7 +7,10 @@ Compares, interleaved per repeat, after the same warm-up:
   replicated bytes are written once in total, spread over the ranks), time to durable on every rank;
 - rank-0 torch.save: rank 0 writes the whole state with torch.save + fsync while the others wait;
 - DCP: `dcp.save(state, storage_writer=FileSystemWriter(dir))` on every rank (its planner also
-  writes replicated tensors once).
+  writes replicated tensors once);
+- datastates + partner: the ranks on two fake nodes ($DATASTATES_NODE), each node with its own hot
+  tier, `partner=True`: each rank's packs are also copied to a rank on the other node before the
+  version is visible (flush to cold off, to time the node-local path alone).
 Reports the median time (max over ranks, barrier to barrier) and the bytes each rank wrote.
 Each method's state changes before every save (add_(1)), so no dedup can skip bytes.
 """
@@ -47,6 +50,8 @@ def rank_main(args: argparse.Namespace) -> None:
     import datastates as ds
 
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    node = f"node{rank * 2 // size}"
+    os.environ["DATASTATES_NODE"] = node  # two fake nodes, for the partner method
     dist.init_process_group("gloo", init_method=f"file://{args.dir}/init", rank=rank, world_size=size)
     n = 64
     per = args.size // n // 4
@@ -56,7 +61,9 @@ def rank_main(args: argparse.Namespace) -> None:
     state = {"model": {**state["model"], **{f"v{i}": torch.randn(per // 2, generator=g) for i in range(n // 2)}},
              "optim": {**state["optim"], **{f"s{i}": torch.randn(per // 2, generator=g) for i in range(n // 2)}}}
     store = ds.Store.open(Path(args.dir) / "store", comm="torch")
-    times: dict[str, list[float]] = {"datastates": [], "rank0_torch_save": [], "dcp": []}
+    partnered = ds.Store.open(Path(args.dir) / "cold", comm="torch", hot=Path(args.dir) / f"hot-{node}",
+                              partner=True, flush=ds.Flush(tagged_only=True))
+    times: dict[str, list[float]] = {"datastates": [], "rank0_torch_save": [], "dcp": [], "datastates_partner": []}
     written: dict[str, int] = {}
 
     def bump() -> None:
@@ -72,6 +79,10 @@ def rank_main(args: argparse.Namespace) -> None:
             if method == "datastates":
                 v = store.save(state, step=rep, replicated=["model", "optim"])
                 written[method] = int(v.timings.get("rank_bytes_written", 0))
+            elif method == "datastates_partner":
+                v = partnered.save(state, step=rep, replicated=["model", "optim"])
+                # its own packs plus the partner copy it received (the same amount, the ring is a permutation)
+                written[method] = int(v.timings.get("rank_bytes_written", 0) + v.timings.get("partner_bytes", 0))
             elif method == "rank0_torch_save":
                 if rank == 0:
                     path = Path(args.dir) / "torch.pt"
@@ -93,6 +104,7 @@ def rank_main(args: argparse.Namespace) -> None:
             if method == "dcp" and rank == 0:
                 shutil.rmtree(Path(args.dir) / f"dcp-{rep}", ignore_errors=True)
     store.close()
+    partnered.close()
     print(json.dumps({"rank": rank, "times": times, "written": written}), flush=True)
     dist.destroy_process_group()
 
