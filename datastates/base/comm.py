@@ -22,6 +22,7 @@ import os
 import pickle
 import socket
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
@@ -75,6 +76,12 @@ class Comm(Protocol):
         CommTimeoutError); the pairs must match: if r sends to d, d receives from r."""
         ...
 
+    def sendrecv_into(self, out: memoryview | None, dest: int | None, into: memoryview | None,
+                      source: int | None) -> None:
+        """As `sendrecv` for raw bytes, without pickling: send `out` to `dest` while filling `into`
+        (whose length the two ranks agreed on before) from `source`."""
+        ...
+
 
 class SingleComm:
     """One process: every collective is the identity."""
@@ -93,6 +100,11 @@ class SingleComm:
 
     def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
         return obj if source == 0 and dest == 0 else None
+
+    def sendrecv_into(self, out: memoryview | None, dest: int | None, into: memoryview | None,
+                      source: int | None) -> None:
+        if out is not None and into is not None and dest == 0 and source == 0:
+            into[:] = out
 
 
 class MpiComm:
@@ -140,6 +152,20 @@ class MpiComm:
             self._comm.send(obj, dest=dest)
             return None
         return self._comm.recv(source=source) if source is not None else None
+
+    def sendrecv_into(self, out: memoryview | None, dest: int | None, into: memoryview | None,
+                      source: int | None) -> None:
+        from mpi4py import MPI
+
+        self._arrive("sendrecv")
+        send = None if out is None or dest is None else [out, MPI.BYTE]
+        recv = None if into is None or source is None else [into, MPI.BYTE]
+        if send is not None and recv is not None:
+            self._comm.Sendrecv(send, dest=dest, recvbuf=recv, source=source)
+        elif send is not None:
+            self._comm.Send(send, dest=dest)
+        elif recv is not None:
+            self._comm.Recv(recv, source=source)
 
 
 class TorchComm:
@@ -198,6 +224,15 @@ class TorchComm:
         self._pairwise(data, dest, buf, source)
         return None if buf is None else pickle.loads(buf.numpy().tobytes())
 
+    def sendrecv_into(self, out: memoryview | None, dest: int | None, into: memoryview | None,
+                      source: int | None) -> None:
+        import torch
+
+        self.barrier()
+        t_out = torch.frombuffer(out, dtype=torch.uint8) if out is not None and len(out) else None
+        t_in = torch.frombuffer(into, dtype=torch.uint8) if into is not None and len(into) else None
+        self._pairwise(t_out, dest, t_in, source)  # straight from and into the caller's buffers
+
     def _pairwise(self, out: Any, dest: int | None, into: Any, source: int | None) -> None:
         glob = self._dist.get_global_rank
         works: list[Any] = []
@@ -209,8 +244,20 @@ class TorchComm:
             self._call("sendrecv", w.wait)
 
 
-PIECE_BYTES = 64 << 20
+PIECE_BYTES = 16 << 20
 """Files move between ranks in pieces of this size: bounded messages, bounded memory."""
+
+_buffers: weakref.WeakKeyDictionary[Any, tuple[bytearray, bytearray]] = weakref.WeakKeyDictionary()
+"""Per communicator, the two piece buffers (out, in), kept for the next exchange: this VM (and many
+others) touches new pages far slower than it copies into resident ones."""
+
+
+def _piece_buffers(comm: Comm, size: int) -> tuple[bytearray, bytearray]:
+    bufs = _buffers.get(comm)
+    if bufs is None or len(bufs[0]) < size:
+        bufs = (bytearray(size), bytearray(size))
+        _buffers[comm] = bufs
+    return bufs
 
 
 def exchange_files(comm: Comm, files: list[tuple[str, Path]], dest: int | None, source: int | None,
@@ -218,11 +265,12 @@ def exchange_files(comm: Comm, files: list[tuple[str, Path]], dest: int | None, 
     """Send `files` (name, path) to rank `dest` while receiving `source`'s files, each written durably
     (temp, fsync, link, directory fsync) at `place(name)`; a file already there is kept. Collective:
     every rank of `comm` calls it, with None for no peer and [] for nothing to send (the ranks first
-    agree on the number of rounds, so that each round is one meeting of all). Returns the names received.
+    agree on the listing and so on the number of rounds, and each round is one meeting of all). The
+    bytes travel raw, piece by piece, from and into two reused buffers. Returns the names received.
 
-    A rank whose reading fails still sends empty pieces, so its peer never waits on a message that
-    will not come; the error is raised after the exchange. Raises OSError (this rank's files, or a
-    received file that fell short), and CommTimeoutError as the collectives do."""
+    A rank whose reading fails still sends its pieces (their bytes then mean nothing) and tells its peer
+    at the end, which then keeps none of them; the error is raised after the exchange. Raises OSError
+    (this rank's files, or its peer's failure), and CommTimeoutError as the collectives do."""
     sizes: list[tuple[str, int]] = []
     failure: OSError | None = None
     for name, path in files:
@@ -234,39 +282,47 @@ def exchange_files(comm: Comm, files: list[tuple[str, Path]], dest: int | None, 
     everyone: list[list[tuple[str, int]]] = comm.allgather(mine)
     theirs = everyone[source] if source is not None else []
 
-    def pieces(listing: list[tuple[str, int]]) -> list[tuple[str, int]]:
-        return [(name, off) for name, size in listing for off in range(0, max(size, 1), piece_bytes)]
+    def pieces(listing: list[tuple[str, int]]) -> list[tuple[str, int, int]]:
+        return [(name, off, min(piece_bytes, size - off)) for name, size in listing
+                for off in range(0, size, piece_bytes)]
 
-    out_pieces, in_count = pieces(mine), len(pieces(theirs))
+    out_pieces, in_pieces = pieces(mine), pieces(theirs)
     rounds = max(len(pieces(listing)) for listing in everyone)
+    out_buf, in_buf = _piece_buffers(comm, piece_bytes) if rounds else (bytearray(), bytearray())
     paths = dict(files)
-    sinks: dict[str, _Sink] = {}
+    sinks = {name: _Sink(place(name)) for name, _ in theirs}
     got: list[str] = []
+    reader: Any = None
     try:
         for i in range(rounds):
-            piece = None
+            out = into = None
             if i < len(out_pieces):
-                name, off = out_pieces[i]
-                data = b""
+                name, off, n = out_pieces[i]
+                out = memoryview(out_buf)[:n]
                 try:
-                    with open(paths[name], "rb") as f:
-                        f.seek(off)
-                        data = f.read(piece_bytes)
+                    if off == 0:
+                        if reader is not None:
+                            reader.close()
+                        reader = open(paths[name], "rb")  # noqa: SIM115 - closed at the next file or below
+                    if reader.readinto(out) != n:
+                        raise OSError(f"{paths[name]} shrank while it was being sent")
                 except OSError as exc:
                     failure = failure or exc
-                piece = (name, data)
-            received = comm.sendrecv(piece, dest if i < len(out_pieces) else None,
-                                     source if i < in_count else None)
-            if received is not None:
-                name, data = received
-                if name not in sinks:
-                    sinks[name] = _Sink(place(name))
-                sinks[name].write(data)
-        for name, size in theirs:
-            sink = sinks.pop(name, None) or _Sink(place(name))
-            if sink.done(size):
-                got.append(name)
+            if i < len(in_pieces):
+                into = memoryview(in_buf)[:in_pieces[i][2]]
+            comm.sendrecv_into(out, dest if out is not None else None, into, source if into is not None else None)
+            if into is not None:
+                sinks[in_pieces[i][0]].write(into)
+        peer_ok = comm.sendrecv(failure is None, dest, source)  # the peer's pieces meant something
+        if source is not None and peer_ok:
+            for name, size in theirs:
+                if sinks.pop(name).done(size):
+                    got.append(name)
+        elif source is not None:
+            failure = failure or OSError(f"rank {source} could not send its files (its error is raised there)")
     finally:
+        if reader is not None:
+            reader.close()
         for sink in sinks.values():
             sink.abort()
     if failure is not None:
@@ -284,7 +340,7 @@ class _Sink:
         self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in done()/abort()
         self.n = 0
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self.f.write(data)
         self.n += len(data)
 
