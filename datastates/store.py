@@ -50,10 +50,10 @@ from .objects.tier import Tier
 from .query.facade import Queries
 from .repo import reader
 from .repo.opening import open_repository
-from .repo.recovery import restore_lost_nodes
+from .repo.recovery import restore_lost_nodes, share_packs
 from .repo.repository import Repository
 from .save.buffers import BufferPool, default_pool_bytes
-from .save.collective import make_visible_collective
+from .save.collective import make_visible_collective, matches
 from .save.commit import Staged, make_fork_visible, make_staged_visible, make_visible, stage
 from .save.job import SaveHandle, SaveJob
 from .save.manifest import Manifest, TensorInfo
@@ -61,6 +61,7 @@ from .save.pipeline import Pipeline
 from .save.placement import Placement
 from .save.request import fork_record, save_request
 from .save.saver import Saver, at_exit
+from .save.tree import key_patterns
 
 log = logging.getLogger("datastates")
 
@@ -484,6 +485,25 @@ class Store(Queries):
     def ls(self, ref: Any = "main", rank: int = 0) -> list[TensorInfo]:
         """The tensors of a version with dtype, shape, bytes and stats; reads no tensor bytes."""
         return self.manifest_of(self.version(ref), rank).info()
+
+    def fetch_from_peers(self, ref: Any = "main", *, keys: Iterable[str] | str | None = None) -> int:
+        """Collective (every rank of the store's job, before a restart's `load`): copy into this node's
+        hot tier, from the hot tiers of the other nodes, the packs that this rank's `load(ref, keys=)`
+        reads and its node lacks (chunks written once by a rank of another node, a partner copy lost
+        with a node). What no node holds is read from cold by the load. Returns the packs this rank
+        received. One process, or every rank on one hot tier: nothing to do, returns 0.
+        Raises what `load` raises for `ref` and `keys`, and CommTimeoutError as collectives do."""
+        self._check_open()
+        v = self.version(ref)
+        rank, sel = reader.rank_for(v, self.comm, keys)
+        m = self.manifest_of(v, rank)
+        patterns = None if sel is None else key_patterns(sel) or []
+        rows = [r for r in m.rows if r["chunks"] and (patterns is None or r["kind"] == "storage"
+                                                       or matches(r["key"], patterns))]
+        packs = {loc.pack for r in rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
+        if self.placement is None or self.placement.groups == 1:
+            return 0
+        return share_packs(self.comm, self.hot, packs)
 
     def load(self, ref: Any = "main", *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
              allow_pickle: bool = False, rank: int | str | None = None, comm: Any = None) -> Any:

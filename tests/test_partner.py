@@ -75,6 +75,25 @@ def test_mpi_partner_copies_let_a_lost_node_restart_without_cold_then_cold_serve
     assert _all_loaded(loaded, 4, own=True)
 
 
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(900)
+def test_mpi_three_nodes_restart_without_cold_fetches_what_a_third_node_wrote(tmp_path: Path) -> None:
+    # 6 ranks on 3 nodes: each node's tier holds its own packs and one partner's, so the replicated
+    # chunks written once by the third node are on neither; fetch_from_peers brings them before the load
+    cold, env = tmp_path / "cold", {**_env(tmp_path), "FAKE_NODES": "3", "DIST_OWN_ONLY": "1"}
+    _, out = mpirun(6, cold, "flushed", env=env)
+    assert [r["flushed"] for r in out if "flushed" in r] == [True] * 6
+    nodes = [tmp_path / f"hot-node{k}" for k in range(3)]
+    assert all(_packs(n) < _packs(cold) for n in nodes)  # no node holds everything
+    cold.rename(tmp_path / "cold-away")
+    _, loaded = mpirun(6, cold, "load", env=env)  # in place, the parallel file system down
+    assert _all_loaded(loaded, 6, own=True) and sum(r["fetched"] for r in loaded) > 0
+    shutil.rmtree(nodes[1])  # and a node lost: rebuilt from its partner's node, the rest fetched
+    _, loaded = mpirun(6, cold, "load", env=env)
+    assert _all_loaded(loaded, 6, own=True) and not cold.exists()
+
+
 @pytest.mark.timeout(600)
 def test_torch_distributed_partner_copies_and_restart_without_cold(tmp_path: Path) -> None:
     cold, env = tmp_path / "cold", _env(tmp_path)

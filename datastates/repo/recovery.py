@@ -8,6 +8,10 @@ manifests, annotations, refs, reflogs, packs and a consistent snapshot of its ca
 leader writes them durably. Nothing is read from the cold tier, so a restart works while the parallel
 file system is down. When every node's hot tier is lost, nothing is sent and the open rebuilds from
 cold as a single process would.
+
+`share_packs` (behind `Store.fetch_from_peers`) covers what partner copies alone do not: a chunk written
+once by a rank of a third node (replicated entries are written once in total) lies on that node and
+on its partner only; before a restart's load, each node asks the others for the packs its ranks need.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 
 from ..base.comm import Comm, exchange_files
 from ..errors import InvalidArgumentError
+from ..objects.tier import Tier
 from ..save.placement import partner_ring
 
 log = logging.getLogger("datastates")
@@ -89,3 +94,38 @@ def _tier_files(hot: Path, snap: Path) -> list[tuple[str, Path]]:
         env.close()
     files.append(("catalog/data.mdb", snap / "data.mdb"))
     return files
+
+
+def share_packs(comm: Comm, hot: Tier, wanted: set[str]) -> int:
+    """Copy into this node's hot tier, from the hot tiers of other nodes, the packs of `wanted` it lacks
+    (collective: every rank, each with the packs it needs). Each node receives each pack once, from the
+    lowest-ranked node that holds it; what no node holds is left to the cold tier. Returns the number of
+    packs this rank received (its node's leader receives for the node)."""
+    root = str(hot.root.resolve())
+    missing = sorted(p for p in wanted if not hot.pack_path(p).exists())
+    asked = comm.allgather((comm.node, root, missing))
+    groups: dict[tuple[str, str], list[int]] = {}
+    for r, (node, where, _) in enumerate(asked):
+        groups.setdefault((node, where), []).append(r)
+    leaders = {g: ranks[0] for g, ranks in groups.items()}
+    need = {g: sorted({p for r in ranks for p in asked[r][2]}) for g, ranks in groups.items()}
+    every = sorted({p for ps in need.values() for p in ps})
+    if not every:
+        return 0
+    mine = (comm.node, root)
+    held = comm.allgather([p for p in every if hot.pack_path(p).exists()] if leaders[mine] == comm.rank else [])
+    transfers: dict[tuple[int, int], list[str]] = {}
+    for g in sorted(need, key=lambda g: leaders[g]):
+        for p in need[g]:
+            holder = next((leaders[h] for h in sorted(groups, key=lambda h: leaders[h])
+                           if h != g and p in held[leaders[h]]), None)
+            if holder is not None:
+                transfers.setdefault((holder, leaders[g]), []).append(p)
+    received = 0
+    for (src, dst), packs in sorted(transfers.items()):
+        files = [(p, hot.pack_path(p)) for p in packs] if comm.rank == src else []
+        got = exchange_files(comm, files, dst if comm.rank == src else None, src if comm.rank == dst else None,
+                             hot.pack_path)
+        received += len(got)
+    comm.barrier()  # no rank of a node reads before its node's packs are whole
+    return received

@@ -142,9 +142,14 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
         raise SaveFailedError(f"rank 0 could not commit the collective save: {outcome[1]}; nothing is visible")
     _, vid, data, to_flush = outcome
     job.committed = True
-    if placement is not None and placement.applies_commits:
-        apply_on_node(vid, data, phase1, tier=tier, refs=refs, catalog=catalog, to_flush=to_flush,
-                      overwrite_chunks=overwrite_chunks)
+    if many_tiers:
+        assert placement is not None
+        if placement.applies_commits:
+            apply_on_node(vid, data, phase1, tier=tier, refs=refs, catalog=catalog, to_flush=to_flush,
+                          overwrite_chunks=overwrite_chunks)
+        # Every rank returns only once its node's catalog holds the version: its flusher and its next
+        # calls (log, load) look it up there.
+        comm.barrier()
     return vid, data, to_flush
 
 

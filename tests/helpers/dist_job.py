@@ -16,7 +16,7 @@
 
 Node-local hot tiers (optional, from the environment): FAKE_NODES=k puts the ranks on k fake nodes
 ($DATASTATES_NODE = node0..), DIST_HOT a hot directory with "{node}" in it, DIST_PARTNER=1 partner
-replication.
+replication; DIST_OWN_ONLY=1 makes "load" read no other rank's shard (not on this node's tier).
 
 Every rank appends its results as JSON lines to $DIST_OUT/<rank>.jsonl (mpiexec may interleave the
 ranks' stdout mid-line); the test reads them.
@@ -159,17 +159,20 @@ def main() -> None:
                       "log": [x.step for x in store.log("main")]})
     elif mode == "load":
         v = store.version("main")
+        # node-local tiers: first the packs this rank's load needs from other nodes (a restart)
+        fetched = store.fetch_from_peers("main") if hot is not None else 0
         got = store.load("main")
         want = replicated_state(v.step or 0)
         same = all(torch.equal(got[g][k], want[g][k]) for g in want for k in want[g])
         shards = {}
-        for r in range(v.world_size):  # any rank can read any rank's sharded entries explicitly
+        others = range(v.world_size) if os.environ.get("DIST_OWN_ONLY") != "1" else [rank]
+        for r in others:  # any rank can read any rank's sharded entries explicitly
             shards[r] = bool(torch.equal(store.load("main", rank=r, keys=["shard"])["shard"], shard(r, v.step or 0)))
         own = "shard" in got
         if own:
             own = bool(torch.equal(got["shard"], shard(rank, v.step or 0)))
         report(rank, {"rank": rank, "size": size, "replicated_ok": same, "keys": sorted(got),
-                                      "own_shard_ok": own, "shards_ok": shards})
+                      "own_shard_ok": own, "shards_ok": shards, "fetched": fetched})
     store.close()
 
 
