@@ -71,21 +71,24 @@ T = TypeVar("T")
 
 def _rank0_first(job: Comm, opening: Any) -> Any:
     """Open on rank 0 first, then on the others: ranks creating one new store at once would see each
-    other's half-made directories. Rank 0's failure is raised on every rank (same class)."""
+    other's half-made directories. Rank 0's failure is raised on every rank: the same class for a
+    DataStatesError, else DataStatesError naming it (the other ranks never wait for an open that failed)."""
     from . import errors
 
     if job.rank == 0:
         try:
             out = opening()
-        except DataStatesError as exc:
+        except BaseException as exc:  # every rank must hear of it (OSError too), or the others would wait
             job.bcast((type(exc).__name__, str(exc)))
             raise
         job.bcast(None)
         return out
     failed = job.bcast(None)
     if failed is not None:
-        cls = getattr(errors, failed[0], DataStatesError)
-        raise cls(f"{failed[1]} (raised on rank 0)")
+        cls = getattr(errors, failed[0], None)
+        if not (isinstance(cls, type) and issubclass(cls, DataStatesError)):
+            cls = DataStatesError  # an OSError or a bug on rank 0: named in the message
+        raise cls(f"rank 0 could not open the store: {failed[0]}: {failed[1]}")
     return opening()
 
 

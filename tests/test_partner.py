@@ -9,12 +9,15 @@ directory away before the restart: any read of it would fail, and the open must 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from jsonschema import Draft202012Validator
-from test_distributed import REPLICATED_BYTES, SHARD_BYTES, mpi, mpirun, torchrun
+from test_distributed import JOB, LAUNCH_TIMEOUT, MPIEXEC, REPLICATED_BYTES, SHARD_BYTES, mpi, mpirun, torchrun
 
 import datastates as ds
 from datastates.base.comm import SingleComm, exchange_files
@@ -92,6 +95,21 @@ def test_mpi_three_nodes_restart_without_cold_fetches_what_a_third_node_wrote(tm
     shutil.rmtree(nodes[1])  # and a node lost: rebuilt from its partner's node, the rest fetched
     _, loaded = mpirun(6, cold, "load", env=env)
     assert _all_loaded(loaded, 6, own=True) and not cold.exists()
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_an_open_that_fails_on_rank_0_fails_on_every_rank_instead_of_hanging(tmp_path: Path) -> None:
+    not_a_store = tmp_path / "file"
+    not_a_store.write_text("not a store directory")
+    proc = subprocess.run([MPIEXEC, "-n", "2", sys.executable, str(JOB), "mpi", str(not_a_store), "save"],
+                          capture_output=True, text=True, timeout=LAUNCH_TIMEOUT,
+                          env={**os.environ, "DIST_OUT": str(tmp_path)})
+    assert proc.returncode != 0
+    err = proc.stdout + proc.stderr
+    assert "StoreFormatError" in err and "rank 0 could not open the store: StoreFormatError" in err  # rank 1's
+    assert not_a_store.read_text() == "not a store directory"  # nothing changed
 
 
 @pytest.mark.timeout(600)
