@@ -506,7 +506,7 @@ class Store(Queries):
         packs = {loc.pack for r in rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
         if self.placement is None or self.placement.groups == 1:
             return 0
-        return share_packs(self.comm, self.hot, packs)
+        return share_packs(self.comm, self.placement, self.hot, packs)
 
     def load(self, ref: Any = "main", *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
              allow_pickle: bool = False, rank: int | str | None = None, comm: Any = None) -> Any:

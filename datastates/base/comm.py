@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..errors import CommTimeoutError, InvalidArgumentError
-from .files import fsync_dir
+from .files import FileSink
 
 DEFAULT_TIMEOUT = 1800.0
 """Seconds a collective waits for the other ranks before CommTimeoutError ($DATASTATES_COMM_TIMEOUT)."""
@@ -290,7 +290,7 @@ def exchange_files(comm: Comm, files: list[tuple[str, Path]], dest: int | None, 
     rounds = max(len(pieces(listing)) for listing in everyone)
     out_buf, in_buf = _piece_buffers(comm, piece_bytes) if rounds else (bytearray(), bytearray())
     paths = dict(files)
-    sinks = {name: _Sink(place(name)) for name, _ in theirs}
+    sinks = {name: FileSink(place(name)) for name, _ in theirs}
     got: list[str] = []
     reader: Any = None
     try:
@@ -328,42 +328,6 @@ def exchange_files(comm: Comm, files: list[tuple[str, Path]], dest: int | None, 
     if failure is not None:
         raise failure
     return got
-
-
-class _Sink:
-    """One received file: written to a temporary name, then linked into place once whole."""
-
-    def __init__(self, final: Path) -> None:
-        self.final = final
-        self.tmp = final.with_name(f".{final.name}.{os.getpid()}.recv.tmp")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        self.f = open(self.tmp, "wb")  # noqa: SIM115 - closed in done()/abort()
-        self.n = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        self.f.write(data)
-        self.n += len(data)
-
-    def done(self, size: int) -> bool:
-        """Make the file durable at its place; False when the bytes fell short or it was already there."""
-        try:
-            self.f.flush()
-            os.fsync(self.f.fileno())
-            self.f.close()
-            if self.n != size:
-                raise OSError(f"received {self.n} of {size} bytes of {self.final.name}")
-            try:
-                os.link(self.tmp, self.final)
-            except FileExistsError:
-                return False
-            fsync_dir(self.final.parent)
-            return True
-        finally:
-            self.tmp.unlink(missing_ok=True)
-
-    def abort(self) -> None:
-        self.f.close()
-        self.tmp.unlink(missing_ok=True)
 
 
 def as_comm(comm: Any) -> Comm:

@@ -201,3 +201,42 @@ def copy_file(src: Path, dst: Path, *, overwrite: bool = False) -> bool:
         raise_full_or(exc, dst)
     fsync_dir(dst.parent)
     return True
+
+
+class FileSink:
+    """An immutable file arriving in pieces (from another rank): written under a temporary name (the
+    same convention as every other write here, so fsck can tell a dead writer's debris), then, once
+    whole, fsynced and linked into place. Never replaces an existing file."""
+
+    def __init__(self, final: Path) -> None:
+        self.final = final
+        make_dirs(final.parent)
+        self.tmp = _tmp_path(final)
+        self.f = open(self.tmp, "xb")  # noqa: SIM115 - closed in done()/abort()
+        self.n = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.n += len(data)
+
+    def done(self, size: int) -> bool:
+        """Make the file durable at its place. Returns False when a file was already there (kept).
+        Raises OSError when fewer or more than `size` bytes arrived (nothing is placed then)."""
+        try:
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.f.close()
+            if self.n != size:
+                raise OSError(f"received {self.n} of {size} bytes of {self.final.name}")
+            try:
+                os.link(self.tmp, self.final)
+            except FileExistsError:
+                return False
+            fsync_dir(self.final.parent)
+            return True
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 from ..base.comm import Comm, exchange_files
 from ..errors import InvalidArgumentError
 from ..objects.tier import Tier
-from ..save.placement import partner_ring
+from ..save.placement import Placement, partner_ring
 
 log = logging.getLogger("datastates")
 
@@ -96,24 +96,22 @@ def _tier_files(hot: Path, snap: Path) -> list[tuple[str, Path]]:
     return files
 
 
-def share_packs(comm: Comm, hot: Tier, wanted: set[str]) -> int:
+def share_packs(comm: Comm, placement: Placement, hot: Tier, wanted: set[str]) -> int:
     """Copy into this node's hot tier, from the hot tiers of other nodes, the packs of `wanted` it lacks
     (collective: every rank, each with the packs it needs). Each node receives each pack once, from the
     lowest-ranked node that holds it; what no node holds is left to the cold tier. Returns the number of
     packs this rank received (its node's leader receives for the node)."""
-    root = str(hot.root.resolve())
-    missing = sorted(p for p in wanted if not hot.pack_path(p).exists())
-    asked = comm.allgather((comm.node, root, missing))
+    asked = comm.allgather(sorted(p for p in wanted if not hot.pack_path(p).exists()))
     groups: dict[tuple[str, str], list[int]] = {}
-    for r, (node, where, _) in enumerate(asked):
-        groups.setdefault((node, where), []).append(r)
+    for r in range(len(asked)):
+        groups.setdefault(placement.group(r), []).append(r)
     leaders = {g: ranks[0] for g, ranks in groups.items()}
-    need = {g: sorted({p for r in ranks for p in asked[r][2]}) for g, ranks in groups.items()}
+    need = {g: sorted({p for r in ranks for p in asked[r]}) for g, ranks in groups.items()}
     every = sorted({p for ps in need.values() for p in ps})
     if not every:
         return 0
-    mine = (comm.node, root)
-    held = comm.allgather([p for p in every if hot.pack_path(p).exists()] if leaders[mine] == comm.rank else [])
+    leading = placement.leader(comm.rank) == comm.rank
+    held = comm.allgather([p for p in every if hot.pack_path(p).exists()] if leading else [])
     transfers: dict[tuple[int, int], list[str]] = {}
     for g in sorted(need, key=lambda g: leaders[g]):
         for p in need[g]:

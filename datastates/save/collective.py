@@ -178,6 +178,13 @@ def _merged(phase1: list[dict[str, Any]]) -> tuple[dict[bytes, ChunkLocation], d
     return chunks, packs
 
 
+def _write_manifests(tier: Tier, phase1: list[dict[str, Any]]) -> None:
+    """Every rank's manifest that travelled with its report (node-local tiers), on this tier."""
+    for rep in phase1:
+        if rep.get("mdata") is not None:
+            tier.write_manifest(rep["mid"], rep["mdata"])
+
+
 def apply_on_node(vid: str, data: bytes, phase1: list[dict[str, Any]], *, tier: Tier, refs: RefStore,
                   catalog: Catalog, to_flush: bool, overwrite_chunks: bool) -> None:
     """Write rank 0's commit `vid` into this node's hot tier and catalog: every rank's manifest, the
@@ -187,9 +194,7 @@ def apply_on_node(vid: str, data: bytes, phase1: list[dict[str, Any]], *, tier: 
     with refs.locked():
         if catalog.record(vid) is not None:
             return
-        for rep in phase1:
-            if rep.get("mdata") is not None:
-                tier.write_manifest(rep["mid"], rep["mdata"])
+        _write_manifests(tier, phase1)
         tier.write_record(vid, data)
         chunks, packs = _merged(phase1)
         parents = list(rec.get("parents") or [])
@@ -209,9 +214,7 @@ def _commit_on_root(job: SaveJob, dist: DistPlan, phase1: list[dict[str, Any]], 
     req = job.request
     branch = req["branch"]
     chunks, packs = _merged(phase1)
-    for rep in phase1:
-        if rep.get("mdata") is not None:
-            tier.write_manifest(rep["mid"], rep["mdata"])  # the other ranks' manifests, on rank 0's node too
+    _write_manifests(tier, phase1)  # the other ranks' manifests, on rank 0's node too
     with refs.locked():
         before_record()
         head = refs.get("branch", branch) if branch else None
