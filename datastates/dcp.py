@@ -5,10 +5,20 @@
     dcp.load(state, storage_reader=ds.dcp.StoreReader(store, "main"))
 
 DCP's planner decides who writes what and reshards on load (FSDP, DTensor, any world size); the
-store adds content addressing, dedup across versions, lineage and tiers. Each rank stages its items
-as one manifest (`Store.stage`); the coordinator names every rank's manifest, plus one holding DCP's
-metadata, in one version (`Store.commit_staged`). The metadata is kept as JSON: loading never
-unpickles anything.
+store adds content addressing, dedup across versions, lineage and tiers. The metadata is kept as
+JSON: loading never unpickles anything. Two ways of committing, chosen by how the store was opened:
+
+- A store opened by every rank of the job (`Store.open(path, comm=...)`, needed with node-local hot
+  tiers): `write_data` is one collective `Store.save` of every rank's items (rank 0's carrying DCP's
+  metadata under `DCP_KEY`). Everything a collective save does applies: two-phase commit, partner
+  copies, every node's catalog learns the version, the parallel flush to cold; `writer.version` is set
+  on every rank. DCP's planner must expose its global metadata as `planner.metadata` on the coordinator
+  (the default planners do); otherwise the commit falls back to the second way, or, on node-local
+  tiers, raises InvalidArgumentError on every rank before anything is written.
+- A store each rank opened alone (a shared directory): each rank stages its items as one manifest
+  (`Store.stage`); the coordinator names every rank's manifest, plus one holding DCP's metadata, in
+  one version (`Store.commit_staged`). On node-local hot tiers this would commit on the coordinator's
+  node only, which is why such stores take the first way.
 """
 
 from __future__ import annotations
@@ -40,12 +50,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .errors import IntegrityError, NotFoundError
+from .errors import IntegrityError, InvalidArgumentError, NotFoundError
 from .save.tree import dtype_from_name, dtype_name
 from .store import Store
 
 METADATA_PART = "dcp"
-"""The manifest key of a DCP version that holds DCP's metadata (the others are ranks)."""
+"""The manifest key of a staged DCP version that holds DCP's metadata (the others are ranks)."""
+
+DCP_KEY = "_dcp_metadata"
+"""The key of rank 0's entries that holds DCP's metadata in a DCP version saved collectively."""
 
 
 class StoreWriter(StorageWriter):
@@ -80,8 +93,9 @@ class StoreWriter(StorageWriter):
         return [replace(p, storage_data=str(rank)) for rank, p in enumerate(plans)]  # each rank's part name
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        part = str(plan.storage_data)
-        state: dict[str, torch.Tensor] = {}
+        """Write this rank's items (see the module docstring for the two ways). Collective when the
+        store was opened with `comm=`: raises on every rank what a collective save raises."""
+        state: dict[str, Any] = {}
         for pos, item in enumerate(plan.items):
             data = planner.resolve_data(item)
             if item.type == WriteItemType.BYTE_IO:
@@ -91,17 +105,50 @@ class StoreWriter(StorageWriter):
             else:
                 assert isinstance(data, torch.Tensor)
                 state[f"t{pos}"] = data.detach().cpu()
+        if self.store.comm.size > 1:
+            part = self._save_collective(plan, planner, state)
+            if part is not None:
+                return _done([WriteResult(index=item.index, size_in_bytes=state[f"t{pos}"].nbytes,
+                                          storage_data={"part": part, "pos": pos})
+                              for pos, item in enumerate(plan.items)])
+        part = str(plan.storage_data)
         staged = self.store.stage(state)
         results = [WriteResult(index=item.index, size_in_bytes=state[f"t{pos}"].nbytes,
                                storage_data={"part": part, "pos": pos})
                    for pos, item in enumerate(plan.items)]
         if results:  # the coordinator learns this rank's part from its first result
             results[0].storage_data["staged"] = staged
-        fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
-        return fut
+        return _done(results)
+
+    def _save_collective(self, plan: SavePlan, planner: SavePlanner, state: dict[str, Any]) -> str | None:
+        """One collective save of every rank's items, rank 0's with DCP's metadata (its storage data
+        filled in from every rank's items). Returns this rank's part name, or None on every rank when
+        the coordinator's planner does not expose its metadata (then the staged way is taken)."""
+        comm = self.store.comm
+        meta = getattr(planner, "metadata", None) if self.is_coordinator else None
+        gathered = comm.allgather(([item.index for item in plan.items],
+                                   meta if isinstance(meta, Metadata) else None))
+        metas = [m for _, m in gathered if m is not None]
+        if len(metas) != 1:
+            placement = self.store.placement
+            if placement is not None and placement.groups > 1:  # the staged way reaches one node only
+                raise InvalidArgumentError(
+                    f"DCP's planner ({type(planner).__name__}) exposes no global metadata on the coordinator "
+                    "(planner.metadata), which a store with node-local hot tiers needs to commit on every node; "
+                    "use DefaultSavePlanner (or a subclass), or save to a store without node-local tiers")
+            return None
+        metadata = metas[0]
+        metadata.storage_data = {index: (str(r), pos) for r, (indexes, _) in enumerate(gathered)
+                                 for pos, index in enumerate(indexes)}
+        if comm.rank == 0:
+            state[DCP_KEY] = encode_metadata(metadata)
+        self.version = self.store.save(state, branch=self.branch, step=self.step, hparams=self.hparams,
+                                       metrics=self.metrics, message=self.message)
+        return str(comm.rank)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """On the coordinator: name every rank's staged part in one version (the staged way); after a
+        collective save, only fill in the metadata's storage data (the version is committed)."""
         parts = {}
         storage: dict[MetadataIndex, tuple[str, int]] = {}
         for rank_results in results:
@@ -111,6 +158,8 @@ class StoreWriter(StorageWriter):
                     parts[sd["part"]] = sd["staged"]
                 storage[r.index] = (sd["part"], sd["pos"])
         metadata.storage_data = storage
+        if self.version is not None:
+            return
         parts[METADATA_PART] = self.store.stage({"metadata": encode_metadata(metadata)})
         self.version = self.store.commit_staged(parts, world_size=len(results), branch=self.branch, step=self.step,
                                                 hparams=self.hparams, metrics=self.metrics, message=self.message)
@@ -133,17 +182,29 @@ class StoreReader(StorageReader):
         return False
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        """DCP's metadata of the version. Raises NotFoundError if it was not saved through DCP."""
+        """DCP's metadata of the version. Raises NotFoundError if it was not saved through DCP (or when
+        DCP asks for a rank's own metadata: a version holds one for every rank)."""
         v = self.store.version(self.ref)
-        if METADATA_PART not in v.manifests:
-            raise NotFoundError(f"version {v.short} was not saved through torch.distributed.checkpoint; "
+        not_dcp = NotFoundError(f"version {v.short} was not saved through torch.distributed.checkpoint; "
                                 "load it with Store.load")
+        if "rank" in kwargs:
+            raise not_dcp
         self.vid = v.id
-        return decode_metadata(self.store.load(v, rank=METADATA_PART)["metadata"])
+        if METADATA_PART in v.manifests:
+            return decode_metadata(self.store.load(v, rank=METADATA_PART)["metadata"])
+        try:
+            text = self.store.load(v, rank=0, keys=[DCP_KEY])[DCP_KEY]
+        except NotFoundError:
+            raise not_dcp from None
+        return decode_metadata(text)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Collective on a store with node-local tiers: every node first fetches, from the others, the
+        packs of the version it lacks (DCP may reshard any rank's items onto any rank)."""
         self.metadata = metadata
         self.vid = self.store.resolve(self.ref)
+        if self.store.placement is not None and self.store.placement.groups > 1:
+            self.store.fetch_from_peers(self.vid, every_rank=True)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -176,6 +237,12 @@ class StoreReader(StorageReader):
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
+
+
+def _done(results: list[WriteResult]) -> Future[list[WriteResult]]:
+    fut: Future[list[WriteResult]] = Future()
+    fut.set_result(results)
+    return fut
 
 
 def encode_metadata(m: Metadata) -> str:
@@ -217,4 +284,4 @@ def decode_metadata(text: str) -> Metadata:
                     storage_meta=None if sm is None else StorageMeta(**sm), version=d["version"])
 
 
-__all__ = ["METADATA_PART", "StoreReader", "StoreWriter", "decode_metadata", "encode_metadata"]
+__all__ = ["DCP_KEY", "METADATA_PART", "StoreReader", "StoreWriter", "decode_metadata", "encode_metadata"]

@@ -489,20 +489,24 @@ class Store(Queries):
         """The tensors of a version with dtype, shape, bytes and stats; reads no tensor bytes."""
         return self.manifest_of(self.version(ref), rank).info()
 
-    def fetch_from_peers(self, ref: Any = "main", *, keys: Iterable[str] | str | None = None) -> int:
+    def fetch_from_peers(self, ref: Any = "main", *, keys: Iterable[str] | str | None = None,
+                         every_rank: bool = False) -> int:
         """Collective (every rank of the store's job, before a restart's `load`): copy into this node's
         hot tier, from the hot tiers of the other nodes, the packs that this rank's `load(ref, keys=)`
         reads and its node lacks (chunks written once by a rank of another node, a partner copy lost
-        with a node). What no node holds is read from cold by the load. Returns the packs this rank
+        with a node); `every_rank=True`: the packs of every rank's entries (a load that reshards, as
+        DCP's). What no node holds is read from cold by the load. Returns the packs this rank
         received. One process, or every rank on one hot tier: nothing to do, returns 0.
         Raises what `load` raises for `ref` and `keys`, and CommTimeoutError as collectives do."""
         self._check_open()
         v = self.version(ref)
-        rank, sel = reader.rank_for(v, self.comm, keys)
-        m = self.manifest_of(v, rank)
-        patterns = None if sel is None else key_patterns(sel) or []
-        rows = [r for r in m.rows if r["chunks"] and (patterns is None or r["kind"] == "storage"
-                                                       or matches(r["key"], patterns))]
+        if every_rank:
+            rows = [r for part in v.manifests for r in self.manifest_of(v, part).rows if r["chunks"]]
+        else:
+            rank, sel = reader.rank_for(v, self.comm, keys)
+            patterns = None if sel is None else key_patterns(sel) or []
+            rows = [r for r in self.manifest_of(v, rank).rows if r["chunks"] and (
+                patterns is None or r["kind"] == "storage" or matches(r["key"], patterns))]
         packs = {loc.pack for r in rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
         if self.placement is None or self.placement.groups == 1:
             return 0

@@ -198,9 +198,9 @@ def test_a_store_without_comm_saves_as_one_rank(tmp_path: Path) -> None:
 DCP_JOB = Path(__file__).parent / "helpers" / "dcp_job.py"
 
 
-def dcprun(n: int, store: Path, mode: str, init: Path) -> list[dict[str, Any]]:
+def dcprun(n: int, store: Path, mode: str, init: Path, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     out = _outdir(store)
-    env = {**os.environ, "WORLD_SIZE": str(n), "DIST_OUT": str(out)}
+    env = {**os.environ, "WORLD_SIZE": str(n), "DIST_OUT": str(out), **(env or {})}
     procs = [subprocess.Popen([sys.executable, str(DCP_JOB), str(store), mode, str(init)],
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(n)]

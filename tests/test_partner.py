@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from jsonschema import Draft202012Validator
-from test_distributed import JOB, LAUNCH_TIMEOUT, MPIEXEC, REPLICATED_BYTES, SHARD_BYTES, mpi, mpirun, torchrun
+from test_distributed import JOB, LAUNCH_TIMEOUT, MPIEXEC, REPLICATED_BYTES, SHARD_BYTES, dcprun, mpi, mpirun, torchrun
 
 import datastates as ds
 from datastates.base.comm import SingleComm, exchange_files
@@ -124,6 +124,60 @@ def test_torch_distributed_partner_copies_and_restart_without_cold(tmp_path: Pat
     cold.rename(tmp_path / "cold-away")
     loaded = torchrun(2, cold, "load", tmp_path / "init-load", env=env)
     assert _all_loaded(loaded, 2, own=True) and not cold.exists()
+
+
+@pytest.mark.timeout(900)
+def test_dcp_save_on_node_local_tiers_reaches_every_node_with_partner_copies_and_reshards_without_cold(
+        tmp_path: Path) -> None:
+    # dcp.save by 4 ranks on 2 fake nodes, each node its own hot tier, the store opened with the job's group
+    cold = tmp_path / "cold"
+    env = {**_env(tmp_path), "DCP_COMM": "1"}
+    saved = dcprun(4, cold, "save", tmp_path / "init-save", env=env)
+    ids = {r["id"] for r in saved}
+    assert len(saved) == 4 and len(ids) == 1  # one version, known on every rank ...
+    assert {r["head"] for r in saved} == ids  # ... and on every node's catalog
+    assert saved[0]["world_size"] == 4 and saved[0]["partners"] == {
+        "0": [2, "node1"], "1": [3, "node1"], "2": [0, "node0"], "3": [1, "node0"]}
+    node0, node1 = tmp_path / "hot-node0", tmp_path / "hot-node1"
+    assert _packs(node0) == _packs(node1) and len(_packs(node0)) == 4  # each rank's pack, and its partner copy
+    with ds.Store.open(cold) as s:  # flushed in parallel and published once: cold alone is a whole store
+        v = s.version("dcp")
+        assert v.id in ids and v.step == 7 and sorted(v.manifests) == ["0", "1", "2", "3"] and s.fsck().ok
+
+    shutil.rmtree(node1)  # a node lost, the parallel file system down: resharded loads at 2 and 3 ranks
+    cold.rename(tmp_path / "cold-away")
+    for n, rows in ((2, 12), (3, 8)):
+        loaded = dcprun(n, cold, "load", tmp_path / f"init-load-{n}", env={**env, "DIST_PARTNER": "0"})
+        assert sorted(r["rank"] for r in loaded) == list(range(n))
+        assert all(r["w_ok"] and r["bias_ok"] and r["step"] == 7 and r["local_rows"] == rows for r in loaded)
+    assert not cold.exists() and _packs(node1) == _packs(node0)
+
+
+@pytest.mark.timeout(900)
+def test_dcp_load_on_node_local_tiers_fetches_the_other_nodes_packs(tmp_path: Path) -> None:
+    # no partner copies: each node holds only what its ranks wrote; the reader brings the rest
+    cold = tmp_path / "cold"
+    env = {**_env(tmp_path, partner=False), "DCP_COMM": "1"}
+    dcprun(4, cold, "save", tmp_path / "init-save", env=env)
+    node0, node1 = tmp_path / "hot-node0", tmp_path / "hot-node1"
+    assert len(_packs(node0)) == len(_packs(node1)) == 2 and not _packs(node0) & _packs(node1)
+    cold.rename(tmp_path / "cold-away")
+    loaded = dcprun(2, cold, "load", tmp_path / "init-load", env=env)
+    assert len(loaded) == 2 and all(r["w_ok"] and r["bias_ok"] and r["local_rows"] == 12 for r in loaded)
+    assert _packs(node0) == _packs(node1) and len(_packs(node0)) == 4 and not cold.exists()
+
+
+@pytest.mark.timeout(600)
+def test_dcp_planner_without_metadata_is_refused_on_node_local_tiers_on_every_rank(tmp_path: Path) -> None:
+    cold = tmp_path / "cold"
+    env = {**_env(tmp_path, partner=False), "DCP_COMM": "1"}
+    out = dcprun(2, cold, "save-custom-planner", tmp_path / "init", env=env)
+    assert len(out) == 2 and all("InvalidArgumentError" in r["error"] and "planner.metadata" in r["error"]
+                                 for r in out)
+    for node in ("node0", "node1"):  # nothing written, nothing visible on either node
+        assert _packs(tmp_path / f"hot-{node}") == set()
+        with ds.Store.open(cold, hot=tmp_path / f"hot-{node}") as s:
+            assert s.branches() == {} and s.catalog.version_count() == 0
 
 
 def test_partner_needs_a_hot_tier_and_two_nodes_and_changes_nothing_when_refused(tmp_path: Path) -> None:
