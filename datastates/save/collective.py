@@ -120,7 +120,8 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
     mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size)
     tier.write_manifest(mid, mdata)
     job.timings["rank_bytes_written"] = job.bytes_new  # what this rank wrote (the record sums every rank's)
-    packs = {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name} for w in job.packs}
+    # the writer's rank: a rebuilt node gets back its ranks' packs and those it held as their partner
+    packs = {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name, "rank": comm.rank} for w in job.packs}
     many_tiers = placement is not None and placement.groups > 1
     phase1 = comm.allgather({"mid": mid, "chunks": [(c, astuple(loc)) for c, loc in job.new_chunks.items()],
                              "packs": packs, "bytes_new": job.bytes_new, "chunks_new": len(job.new_chunks),
