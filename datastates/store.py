@@ -69,27 +69,42 @@ log = logging.getLogger("datastates")
 T = TypeVar("T")
 
 
-def _rank0_first(job: Comm, opening: Any) -> Any:
-    """Open on rank 0 first, then on the others: ranks creating one new store at once would see each
-    other's half-made directories. Rank 0's failure is raised on every rank: the same class for a
-    DataStatesError, else DataStatesError naming it (the other ranks never wait for an open that failed)."""
+def _open_in_turn(job: Comm, opening: Any, hot: str | os.PathLike[str] | None) -> Any:
+    """Open on rank 0 first, then on the first rank of every other hot tier (node and directory), then
+    on the rest: ranks creating one new store, or one node's new hot tier, at once would see each
+    other's half-made directories (a FORMAT file not written yet in a directory that is no longer empty).
+    A failure is raised on every rank: the failing rank's own error there; on the others the same class
+    for a DataStatesError, else DataStatesError, naming the rank and the error (no rank ever waits for
+    an open that failed)."""
     from . import errors
 
-    if job.rank == 0:
-        try:
-            out = opening()
-        except BaseException as exc:  # every rank must hear of it (OSError too), or the others would wait
-            job.bcast((type(exc).__name__, str(exc)))
-            raise
-        job.bcast(None)
-        return out
-    failed = job.bcast(None)
-    if failed is not None:
-        cls = getattr(errors, failed[0], None)
-        if not (isinstance(cls, type) and issubclass(cls, DataStatesError)):
-            cls = DataStatesError  # an OSError or a bug on rank 0: named in the message
-        raise cls(f"rank 0 could not open the store: {failed[0]}: {failed[1]}")
-    return opening()
+    where = job.allgather(None if hot is None else (job.node, str(Path(hot).expanduser().resolve())))
+    first: dict[Any, int] = {}
+    for r, w in enumerate(where):
+        first.setdefault(w, r)
+    leaders = set(first.values()) | {0}
+    turns = [[0], sorted(leaders - {0}), [r for r in range(job.size) if r not in leaders]]
+    out: Any = None
+    for turn in (t for t in turns if t):
+        failure: tuple[str, str] | None = None
+        mine: BaseException | None = None
+        if job.rank in turn:
+            try:
+                out = opening()
+            except BaseException as exc:  # every rank must hear of it (OSError too), or the others would wait
+                failure, mine = (type(exc).__name__, str(exc)), exc
+        failed = [(r, f) for r, f in enumerate(job.allgather(failure)) if f is not None]
+        if mine is not None:
+            raise mine
+        if failed:
+            if out is not None:
+                out[0].close()  # opened in an earlier turn: not handed to anyone
+            r, (name, text) = failed[0]
+            cls = getattr(errors, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, DataStatesError)):
+                cls = DataStatesError  # an OSError or a bug on that rank: named in the message
+            raise cls(f"rank {r} could not open the store: {name}: {text}")
+    return out
 
 
 class _Part(Generic[T]):
@@ -172,7 +187,7 @@ class Store(Queries):
             restore_lost_nodes(job, Path(hot), partner=partner)
         opening = partial(open_repository, path, create=create, chunk_size=chunk_size, verify=verify, hot=hot,
                           hot_capacity=hot_capacity, flush=flush, promote=promote)
-        repo, rebuild, cold_ok = opening() if job.size == 1 else _rank0_first(job, opening)
+        repo, rebuild, cold_ok = opening() if job.size == 1 else _open_in_turn(job, opening, hot)
         store = cls(repo, pool_bytes=pool_bytes or default_pool_bytes(), zstd_level=zstd_level, workers=workers)
         if rebuild:
             from .maintenance.fsck import rebuild_catalog

@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -92,9 +93,15 @@ def test_mpi_three_nodes_restart_without_cold_fetches_what_a_third_node_wrote(tm
     cold.rename(tmp_path / "cold-away")
     _, loaded = mpirun(6, cold, "load", env=env)  # in place, the parallel file system down
     assert _all_loaded(loaded, 6, own=True) and sum(r["fetched"] for r in loaded) > 0
+    held = _packs(nodes[1])
+    assert all(sum(p in _packs(n) for n in nodes) >= 2 for p in _packs(tmp_path / "cold-away"))  # two copies
     shutil.rmtree(nodes[1])  # and a node lost: rebuilt from its partner's node, the rest fetched
     _, loaded = mpirun(6, cold, "load", env=env)
     assert _all_loaded(loaded, 6, own=True) and not cold.exists()
+    # the rebuilt node holds what it held: its ranks' packs and the copies it kept for node 0's ranks
+    # (not node 2's own packs), so every pack has two copies again
+    assert _packs(nodes[1]) == held
+    assert all(sum(p in _packs(n) for n in nodes) >= 2 for p in _packs(tmp_path / "cold-away"))
 
 
 @mpi
@@ -221,3 +228,73 @@ def test_exchange_files_moves_whole_files_in_pieces_and_keeps_what_is_there(tmp_
     with pytest.raises(FileNotFoundError):
         exchange_files(SingleComm(), [("gone", src / "gone")], 0, 0, lambda n: dst / n)
     assert not (dst / "gone").exists()
+
+
+class _ThreadComm:
+    """Ranks as threads of this process: just enough of a Comm (allgather) to test opening in turn."""
+
+    def __init__(self, rank: int, nodes: list[str], board: list[object], meet: threading.Barrier) -> None:
+        self.rank, self.size, self.node = rank, len(nodes), nodes[rank]
+        self._board, self._meet = board, meet
+
+    def allgather(self, obj: object) -> list[object]:
+        self._board[self.rank] = obj
+        self._meet.wait()
+        out = list(self._board)
+        self._meet.wait()  # nobody overwrites the board before everyone has read it
+        return out
+
+
+def _open_together(tmp: Path, fail_rank: int | None = None) -> tuple[list[int], list[BaseException | None]]:
+    from datastates.store import _open_in_turn
+
+    nodes = ["node0", "node0", "node1", "node1"]
+    board: list[object] = [None] * 4
+    meet = threading.Barrier(4)
+    opened: list[int] = []
+    errors: list[BaseException | None] = [None] * 4
+
+    closed: list[int] = []
+
+    class Repo:
+        def __init__(self, r: int) -> None:
+            self.r = r
+
+        def close(self) -> None:
+            closed.append(self.r)
+
+    def rank(r: int) -> None:
+        def opening() -> tuple[Repo, bool, bool]:
+            if r == fail_rank:
+                raise ds.StoreFormatError(f"hot tier of rank {r} is not a store")
+            opened.append(r)
+            return Repo(r), False, True
+
+        try:
+            _open_in_turn(_ThreadComm(r, nodes, board, meet), opening, tmp / f"hot-{nodes[r]}")  # type: ignore[arg-type]
+        except BaseException as exc:
+            errors[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert sorted(closed) == (sorted(opened) if fail_rank is not None else [])  # an open that is not handed out
+    return opened, errors
+
+
+def test_ranks_open_in_turn_rank_0_then_each_other_hot_tiers_first_rank_then_the_rest(tmp_path: Path) -> None:
+    # two ranks creating one node's new hot tier at once saw each other's half-made directory
+    opened, errors = _open_together(tmp_path)
+    assert errors == [None] * 4
+    assert opened[0] == 0 and opened[1] == 2 and sorted(opened[2:]) == [1, 3]
+
+
+def test_a_failed_open_in_any_turn_is_raised_on_every_rank_and_ends_the_turns(tmp_path: Path) -> None:
+    opened, errors = _open_together(tmp_path, fail_rank=2)  # node1's first rank
+    assert opened == [0]  # ranks 1 and 3 never opened
+    assert isinstance(errors[2], ds.StoreFormatError) and "hot tier of rank 2" in str(errors[2])
+    for r in (0, 1, 3):
+        assert isinstance(errors[r], ds.StoreFormatError)
+        assert str(errors[r]).startswith("rank 2 could not open the store: StoreFormatError: hot tier of rank 2")

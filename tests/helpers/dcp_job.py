@@ -65,7 +65,7 @@ def main() -> None:
         if mode == "save-custom-planner":
             try:
                 dcp.save(state, storage_writer=writer, planner=PlannerWithoutMetadata())
-            except BaseException as exc:  # DCP gathers every rank's error into one CheckpointException (a BaseException)
+            except BaseException as exc:  # DCP's CheckpointException (every rank's errors) is a BaseException
                 out["error"] = str(exc)
         else:
             dcp.save(state, storage_writer=writer)
