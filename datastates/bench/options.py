@@ -23,6 +23,7 @@ METHOD_LABELS: dict[str, str] = {
     "ds_async_blocking": "datastates save_async: blocking part",
     "ds_async_durable": "datastates save_async: to durable",
     "ds_partial_save": "datastates save, {changed} of tensors changed",
+    "ds_partial_reuse_save": "the same, with reuse_unchanged=True",
     "ds_load": "datastates load (full)",
     "ds_load_one": "datastates load, 1 tensor of the state",
     "ds_load100_full": "datastates load, 100-tensor state (full)",
@@ -174,6 +175,8 @@ SHAPE_TARGETS = (
     Target("torch_load_vs_ds", "torch.load / datastates load", "torch_load", "ds_load", ">=", 1.2),
     Target("safetensors_load_vs_ds", "safetensors load / datastates load", "safetensors_load", "ds_load", ">=", 1.2),
     Target("partial_time", "partial save time / full save time", "ds_partial_save", "ds_save", "<=", 0.35),
+    Target("partial_reuse_time", "partial save, reuse_unchanged=True / full save", "ds_partial_reuse_save", "ds_save",
+           "<=", 0.15),
     Target("partial_bytes", "partial save: bytes written / full bytes", "", "", "<=", 0.12),
     Target("one_of_all", "load 1 tensor of the state / full load", "ds_load_one", "ds_load", "<=", 0.01),
 )

@@ -97,6 +97,7 @@ class _Bench:
         self.full_saves: list[dict[str, float]] = []
         self.distinct_chunks: int | None = None
         self.partial: list[dict[str, int]] = []
+        self.reuse: Store | None = None
 
     # timing ----------------------------------------------------------------------------------------------
     def plain_copy(self) -> None:
@@ -139,11 +140,16 @@ class _Bench:
         cfg = self.cfg
         store = Store.open(self.root / "ds", pool_bytes=2 * self.size, chunk_size=cfg.chunk_size,
                            zstd_level=cfg.zstd, reuse_unchanged=cfg.reuse_unchanged)
+        # issue 13's second partial target: a store that trusts torch's version counters
+        self.reuse = (Store.open(self.root / "ds-reuse", pool_bytes=2 * self.size, chunk_size=cfg.chunk_size,
+                                 zstd_level=cfg.zstd, reuse_unchanged=True) if cfg.shape else None)
         dcp = Dcp() if "dcp" not in cfg.skip else None
         try:
             _log("warming the datastates buffer pool (one untimed save)"
                  + ("" if cfg.shape else " and saving the 100-tensor state"))
             store.save(self.state, branch="main", message="warm-up")
+            if self.reuse is not None:
+                self.reuse.save(self.state, branch="main", message="warm-up")
             v100 = (store.save(self.state100, branch="bench100", message="100 tensors")
                     if self.state100 is not None else None)
             if dcp is not None:
@@ -169,6 +175,8 @@ class _Bench:
         finally:
             if dcp is not None:
                 dcp.close()
+            if self.reuse is not None:
+                self.reuse.close()
             store.close()
 
     def _pool(self, store: Store) -> list[Any]:
@@ -206,6 +214,8 @@ class _Bench:
         v = self.timed_async("ds_async_blocking", "ds_async_durable", self._pool(store),
                              partial(store.save_async, state, branch="main"), _result)
         self._full_save(v, store)
+        if self.reuse is not None:
+            self.reuse.save(state, branch="main", message="before partial")  # untimed: what it last saw
         # A different set of tensors changes each repeat, as different layers would in training.
         changed = [self.keys[(r * self.n_changed + i) % len(self.keys)] for i in range(self.n_changed)]
         _mutate(state, changed)
@@ -213,6 +223,11 @@ class _Bench:
                        message="partial")
         self.partial.append({"bytes_new": v.bytes_new, "bytes_total": v.bytes_total,
                              "tensors_changed": self.n_changed, "chunks_new": v.chunks_new})
+        if self.reuse is not None:
+            vr = self.timed("ds_partial_reuse_save", size, self._pool(self.reuse), self.reuse.save, state,
+                            branch="main", message="partial")
+            if r == 0:
+                _check_equal(self.reuse.load(vr), state, "datastates partial save with reuse_unchanged")
         # The latest version, what a restart loads: most of its chunks sit in earlier packs.
         out = self.timed_load("ds_load", size, self.root / "ds", store.load, v)
         if r == 0:
