@@ -143,6 +143,10 @@ def test_rows_decoded_one_at_a_time_match_the_full_decode(tmp_path: Path) -> Non
     for i in (0, 3, 5, N + 4, N + 1):
         assert lazy.row(i) == full.rows[i]
     assert lazy.decoded_rows == 5 and "rows" not in lazy.__dict__
+    runs, scattered = list(range(10, 30)), list(range(100, 400, 10))  # sliced as one run; taken
+    lazy.decode(runs + scattered + [N + 5, -1])
+    assert lazy.decoded_rows == 5 + 20 + 30
+    assert all(lazy.row(i) == full.rows[i] for i in runs + scattered)
     with pytest.raises(ds.IntegrityError, match=f"no row {N + 5}"):
         lazy.row(N + 5)
     with pytest.raises(ds.IntegrityError, match="no row -1"):

@@ -30,16 +30,18 @@ ALIASES = {"optimizer": ("optim", "opt"), "optim": ("optimizer", "opt"), "schedu
 
 
 def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
-         allow_pickle: bool = False, rank: int | str = 0, executor: Executor | None = None) -> Any:
+         allow_pickle: bool = False, rank: int | str = 0, executor: Executor | None = None,
+         version: Version | None = None) -> Any:
     """The saved state, rebuilt with the same container types; tensors bit-exact.
 
-    `keys` selects key paths (exact, a prefix ending at a '.', or a glob).
+    `keys` selects key paths (exact, a prefix ending at a '.', or a glob). `version`: the record of
+    `ref` when the caller has just read it (it is not read again).
     Raises NotFoundError (ref, key), PrunedError, IntegrityError,
     UnsupportedValueError (pickle without allow_pickle), DeviceError (before reading anything).
     """
     repo.check_open()
     dev = usable_device(device)
-    v = repo.version(ref)
+    v = repo.version(ref) if version is None else version
     m = repo.manifest_of(v, rank)
     select, route = None, None
     if keys is None:

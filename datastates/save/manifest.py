@@ -126,7 +126,18 @@ class Manifest:
         """Decode rows `rows` together for `row` (one take from the table rather than one slice each)."""
         n = self.table.num_rows
         todo = sorted({i for i in rows if 0 <= i < n and i not in self._decoded})
-        if todo and "rows" not in self.__dict__:
+        if not todo or "rows" in self.__dict__:
+            return
+        runs: list[list[int]] = []  # consecutive rows: what one key of a module names
+        for i in todo:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        if len(runs) <= 8:  # a slice costs ~4x less than the take kernel, whose first call costs ~40 ms
+            for run in runs:
+                self._decoded.update(zip(run, self.table.slice(run[0], len(run)).to_pylist()))
+        else:
             self._decoded.update(zip(todo, self.table.take(todo).to_pylist()))
 
     @property
