@@ -153,7 +153,7 @@ def checkout(repo: Repository, ref: Any, objects: dict[str, Any], *, strict: boo
             raise NotFoundError(f"version {v.short} has no key {name!r} (top-level keys: {keys}); "
                                 "pass the objects under the names they were saved with")
         names[name] = key
-    state = load(repo, v, keys=list(names.values()), allow_pickle=allow_pickle, executor=executor)
+    state = load(repo, v, keys=list(names.values()), allow_pickle=allow_pickle, executor=executor, version=v)
     for name, obj in objects.items():  # check everything first: a failed checkout changes nothing
         if isinstance(obj, torch.nn.Module):
             _check_shapes(name, state[names[name]], obj.state_dict(), v)

@@ -123,7 +123,8 @@ class Manifest:
                                  "run `datastates fsck`") from None
 
     def decode(self, rows: list[int]) -> None:
-        """Decode rows `rows` together for `row` (one take from the table rather than one slice each)."""
+        """Decode rows `rows` for `row`: one slice per run of consecutive rows, one take if they are scattered
+        (out-of-range numbers are left for `row` to refuse)."""
         n = self.table.num_rows
         todo = sorted({i for i in rows if 0 <= i < n and i not in self._decoded})
         if not todo or "rows" in self.__dict__:
