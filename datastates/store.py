@@ -540,10 +540,12 @@ class Store(Queries):
         allow_pickle), DeviceError (before reading anything).
         """
         self._check_open()
+        v = None
         if rank is None:
-            rank, keys = reader.rank_for(self.version(ref), self.comm if comm is None else as_comm(comm), keys)
+            v = self.version(ref)  # resolved once: the ref is read once, and rank_for and the load see one version
+            rank, keys = reader.rank_for(v, self.comm if comm is None else as_comm(comm), keys)
         return reader.load(self.repo, ref, keys=keys, device=device, allow_pickle=allow_pickle, rank=rank,
-                           executor=self._readers)
+                           executor=self._readers, version=v)
 
     def read_chunk(self, cid: bytes, key: str = "?") -> bytes:
         """The raw bytes of one chunk, verified. Raises NotFoundError, IntegrityError."""

@@ -58,16 +58,15 @@ def tensor_bytes_info(store: Store, ref: Any, key: str) -> TensorBytes:
     v = store.version(ref)
     m = store.manifest_of(v)
     i = m.index.get(key)
-    rows = m.rows
-    if i is None or rows[i]["kind"] == "storage":
-        keys = [r["key"] for r in rows if r["kind"] != "storage"]
+    if i is None or m.row(i)["kind"] == "storage":
+        keys = [r["key"] for r in m.rows if r["kind"] != "storage"]
         close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
         hint = f"did you mean {', '.join(repr(k) for k in close)}? " if close else ""
         raise NotFoundError(f"version {v.short} has no tensor {key!r}; {hint}"
                             f"`datastates ls {v.short}` lists its tensors")
-    r = rows[i]
+    r = m.row(i)
     if r["kind"] == "alias":  # the same tensor as its base row: same bytes
-        r = rows[r["base"]]
+        r = m.row(r["base"])
     if r["kind"] not in ("tensor", "view"):
         raise NotFoundError(f"entry {key!r} of version {v.short} is a {r['kind']}, not a tensor")
     shape = tuple(int(d) for d in r["shape"])
@@ -80,7 +79,7 @@ def tensor_bytes_info(store: Store, ref: Any, key: str) -> TensorBytes:
     chunks: tuple[bytes, ...] = () if is_view else tuple(r["chunks"])
     if is_view:
         # A view's bytes depend on its base storage's chunks and on offset/stride.
-        base = rows[r["base"]]
+        base = m.row(r["base"])
         h.update(f"view|{r['offset']}|{list(r['stride'])}|".encode())
         for c in base["chunks"]:
             h.update(c)

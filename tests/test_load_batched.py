@@ -3,12 +3,12 @@ chunks stored back to back), verified, with per-chunk fallback. Asserts bytes, v
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers.counting import CountPreadv
 
 import datastates as ds
 
@@ -38,22 +38,11 @@ def _equal(a: dict[str, Any], b: dict[str, Any]) -> None:
             assert a[k] == v
 
 
-class _CountPreadv:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.calls = 0
-        self.real = os.preadv
-        monkeypatch.setattr(os, "preadv", self)
-
-    def __call__(self, fd: int, bufs: Any, offset: int) -> int:
-        self.calls += 1
-        return self.real(fd, bufs, offset)
-
-
 def test_mixed_state_loads_bit_exact_in_few_reads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     st = _mixed_state()
     with ds.Store.open(tmp_path / "s", chunk_size=256 << 10) as store:
         v = store.save(st)
-        count = _CountPreadv(monkeypatch)
+        count = CountPreadv(monkeypatch)
         got = store.load(v)
         _equal(got, st)
         # 311 tensors in one pack: one preadv per stretch (<= 8 MiB) of chunks stored back to back (the writer pads

@@ -62,7 +62,7 @@ def _rows(m: Manifest, keys: list[str] | None) -> dict[str, dict[str, Any]]:
 def _tensor_row(m: Manifest, r: dict[str, Any]) -> dict[str, Any] | None:
     """The row holding a tensor's own bytes (an alias points at its base); None for views."""
     if r["kind"] == "alias":
-        return m.rows[r["base"]]
+        return m.row(r["base"])
     return r if r["kind"] == "tensor" else None
 
 
@@ -143,7 +143,7 @@ def _compare(store: Repository, ma: Manifest, x: dict[str, Any], mb: Manifest, y
 
 def view_span(m: Manifest, r: dict[str, Any]) -> tuple[dict[str, Any], int, int]:
     """(storage row, first byte, end byte) of the part of its storage that view row `r` can see."""
-    base = m.rows[r["base"]]
+    base = m.row(r["base"])
     item = dtype_from_name(r["dtype"]).itemsize
     if math.prod(r["shape"]) == 0:
         return base, 0, 0
@@ -241,7 +241,7 @@ def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
         i = m.index.get(key)
         if i is None:
             continue
-        r = m.rows[i]
+        r = m.row(i)
         tr = _tensor_row(m, r) or r
         # The chunks of the bytes this key sees (for a view: the overlapping chunks of its storage), so a
         # change made through another view of a shared storage counts here too.

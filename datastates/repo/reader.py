@@ -22,7 +22,7 @@ from ..errors import (
 from ..meta.versions import Version
 from ..save.collective import matches
 from ..save.manifest import Manifest
-from ..save.tree import SKIP, dtype_from_name, key_patterns, unflatten
+from ..save.tree import SKIP, Route, dtype_from_name, key_patterns, tensor_rows, unflatten
 from .repository import Repository
 
 ALIASES = {"optimizer": ("optim", "opt"), "optim": ("optimizer", "opt"), "scheduler": ("lr_scheduler", "sched"),
@@ -30,36 +30,43 @@ ALIASES = {"optimizer": ("optim", "opt"), "optim": ("optimizer", "opt"), "schedu
 
 
 def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
-         allow_pickle: bool = False, rank: int | str = 0, executor: Executor | None = None) -> Any:
+         allow_pickle: bool = False, rank: int | str = 0, executor: Executor | None = None,
+         version: Version | None = None) -> Any:
     """The saved state, rebuilt with the same container types; tensors bit-exact.
 
-    `keys` selects key paths (exact, a prefix ending at a '.', or a glob).
+    `keys` selects key paths (exact, a prefix ending at a '.', or a glob). `version`: the record of
+    `ref` when the caller has just read it (it is not read again).
     Raises NotFoundError (ref, key), PrunedError, IntegrityError,
     UnsupportedValueError (pickle without allow_pickle), DeviceError (before reading anything).
     """
     repo.check_open()
     dev = usable_device(device)
-    v = repo.version(ref)
+    v = repo.version(ref) if version is None else version
     m = repo.manifest_of(v, rank)
-    select = None
-    if keys is not None:
-        select = _key_selector(key_patterns(keys) or [], _tree_paths(m.tree), v)
-    rows = m.rows
+    select, route = None, None
+    if keys is None:
+        named = [i for i, r in enumerate(m.rows) if r["kind"] != "storage"]
+    else:
+        # Only the rows and the part of the tree the keys name are decoded and walked: one tensor out of
+        # thousands costs a few lookups on a cached manifest, not a pass over every row and node.
+        select, route = _key_selector(key_patterns(keys) or [], m, v)
+        named = tensor_rows(m.tree, select, route)
+        m.decode(named)
+        m.decode([m.row(i)["base"] for i in named if m.row(i)["kind"] in ("alias", "view")])
     wanted: dict[int, None] = {}  # an ordered set: bases before the rows that point at them
 
     def want(i: int) -> None:
-        r = rows[i]
+        r = m.row(i)
         if r["kind"] in ("alias", "view"):
             want(r["base"])
         wanted.setdefault(i)
 
-    for i, r in enumerate(rows):
-        if r["kind"] != "storage" and (select is None or select(r["key"])):
-            want(i)
-    loaded = _read_rows(repo, m, [i for i in wanted if rows[i]["kind"] in ("tensor", "storage")], executor)
+    for i in named:
+        want(i)
+    loaded = _read_rows(repo, m, [i for i in wanted if m.row(i)["kind"] in ("tensor", "storage")], executor)
     out: dict[int, torch.Tensor] = {}
     for i in wanted:
-        r = rows[i]
+        r = m.row(i)
         if r["kind"] in ("tensor", "storage"):
             out[i] = loaded[i].to(dev) if dev.type != "cpu" else loaded[i]
         elif r["kind"] == "alias":
@@ -68,7 +75,7 @@ def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, devic
             dt = dtype_from_name(r["dtype"])
             out[i] = torch.empty(0, dtype=dt, device=dev).set_(
                 out[r["base"]].untyped_storage(), r["offset"], r["shape"], r["stride"])
-    return unflatten(m.tree, lambda i: out.get(i, SKIP), allow_pickle, select=select)
+    return unflatten(m.tree, lambda i: out.get(i, SKIP), allow_pickle, select=select, route=route)
 
 
 def rank_for(v: Version, comm: Comm, keys: Iterable[str] | str | None) -> tuple[int, Any]:
@@ -102,7 +109,8 @@ def _read_rows(repo: Repository, m: Manifest, rows: list[int], executor: Executo
     for i in rows:
         t, flat = _empty_row(m, i)
         out[i] = t
-        items.append((m.rows[i]["chunks"], flat.numpy(), m.rows[i]["key"]))
+        r = m.row(i)
+        items.append((r["chunks"], flat.numpy(), r["key"]))
     repo.objects.read_many_into(items, executor)
     return out
 
@@ -110,7 +118,7 @@ def _read_rows(repo: Repository, m: Manifest, rows: list[int], executor: Executo
 def _empty_row(m: Manifest, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     """An uninitialised tensor for row `i` of `m` and a flat uint8 view of its bytes.
     Raises IntegrityError when the row's byte count does not fit its dtype and shape."""
-    r = m.rows[i]
+    r = m.row(i)
     out = torch.empty(r["shape"], dtype=dtype_from_name(r["dtype"]))
     flat = out.reshape(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
     if flat.numel() != r["nbytes"]:
@@ -122,7 +130,8 @@ def _empty_row(m: Manifest, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 def read_row(repo: Repository, m: Manifest, i: int) -> torch.Tensor:
     """Tensor row `i` of manifest `m`, read and verified. Raises IntegrityError, NotFoundError."""
     out, flat = _empty_row(m, i)
-    repo.objects.read_chunks_into(m.rows[i]["chunks"], flat.numpy(), m.rows[i]["key"])
+    r = m.row(i)
+    repo.objects.read_chunks_into(r["chunks"], flat.numpy(), r["key"])
     return out
 
 
@@ -144,7 +153,7 @@ def checkout(repo: Repository, ref: Any, objects: dict[str, Any], *, strict: boo
             raise NotFoundError(f"version {v.short} has no key {name!r} (top-level keys: {keys}); "
                                 "pass the objects under the names they were saved with")
         names[name] = key
-    state = load(repo, v, keys=list(names.values()), allow_pickle=allow_pickle, executor=executor)
+    state = load(repo, v, keys=list(names.values()), allow_pickle=allow_pickle, executor=executor, version=v)
     for name, obj in objects.items():  # check everything first: a failed checkout changes nothing
         if isinstance(obj, torch.nn.Module):
             _check_shapes(name, state[names[name]], obj.state_dict(), v)
@@ -193,19 +202,28 @@ def _tree_paths(node: dict[str, Any], path: str = "") -> list[str]:
     return out
 
 
-def _key_selector(keys: list[str], existing: list[str], v: Version) -> Any:
-    pats = []
+def _is_glob(key: str) -> bool:
+    return any(c in key for c in "*?[")
+
+
+def _key_selector(keys: list[str], m: Manifest, v: Version) -> tuple[Any, Route | None]:
+    """A test of key paths for `keys` (exact paths select themselves and what lies under them; globs
+    match by fnmatch), and the route through `m.tree` to them when all are exact (None otherwise).
+    Raises InvalidNameError, NotFoundError naming the first key that names nothing."""
+    # Exact keys (the common case) are found through the manifest's path index and selected by set
+    # lookups of the path and its ancestors: one tensor out of thousands must not cost a walk of the
+    # whole tree nor fnmatch on every path. Patterns keep the general test over every path.
+    valid = [k for k in keys if isinstance(k, str) and k]
+    globs = [k for k in valid if _is_glob(k)]
+    exact = {k for k in valid if not _is_glob(k)}
+    route, found = m.paths.route(exact)
+    existing = _tree_paths(m.tree) if globs else []
     for k in keys:
         if not isinstance(k, str) or not k:
             raise InvalidNameError(f"key {k!r} must be a non-empty string path like 'model.fc.weight'")
-        if not any(e == k or e.startswith(k + ".") or fnmatch.fnmatchcase(e, k) for e in existing):
+        if not (k in found if k in exact else
+                any(e == k or e.startswith(k + ".") or fnmatch.fnmatchcase(e, k) for e in existing)):
             raise NotFoundError(f"version {v.short} has no key {k!r}; `datastates ls {v.short}` lists its keys")
-        pats.append(k)
-
-    # Exact keys (the common case) are set lookups of the path and its ancestors: one load of one
-    # tensor out of thousands must not run fnmatch on every row. Patterns keep the general test.
-    globs = [k for k in pats if any(c in k for c in "*?[")]
-    exact = set(pats) - set(globs)
 
     def select(path: str) -> bool:
         if path in exact:
@@ -218,4 +236,4 @@ def _key_selector(keys: list[str], existing: list[str], v: Version) -> Any:
                 i = path.rfind(".", 0, i)
         return any(path == k or path.startswith(k + ".") or fnmatch.fnmatchcase(path, k) for k in globs)
 
-    return select
+    return select, None if globs else route

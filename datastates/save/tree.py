@@ -9,9 +9,10 @@ when the caller asked for it explicitly, on both sides.
 from __future__ import annotations
 
 import base64
+import bisect
 import pickle
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -269,15 +270,22 @@ def _renumber(node: dict[str, Any], rows: list[int]) -> None:
             _renumber(child, rows)
 
 
+Route = dict[int, list[int]]
+"""For a load of exact key paths: id(container node) -> positions of the children on the way to them."""
+
+_CONTAINERS = ("dict", "odict", "list", "tuple")
+
+
 def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: bool = False, path: str = "",
-              select: Callable[[str], bool] | None = None) -> Any:
+              select: Callable[[str], bool] | None = None, route: Route | None = None) -> Any:
     """Rebuild the saved containers around `tensor(row)`; pickle only with `allow_pickle`.
 
     A subtree whose tensors were not selected (`tensor` returns the `SKIP`
-    sentinel) is left out of its container.
+    sentinel) is left out of its container. With a `route` (`PathIndex.route`),
+    a container that `select` does not name visits only the children on it.
     """
     t = node["t"]
-    if select is not None and t not in ("dict", "odict", "list", "tuple") and not select(path):
+    if select is not None and t not in _CONTAINERS and not select(path):
         return SKIP
     if t == "tensor":
         val = tensor(node["i"])
@@ -304,14 +312,17 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
         return np.frombuffer(base64.b64decode(node["v"]), dtype=np.dtype(node["dtype"]))[0]
     if t in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if t == "odict" else {}
-        for k, child in zip(node["k"], node["v"]):
-            v = unflatten(child, tensor, allow_pickle, f"{path}.{k}" if path else str(k), select)
+        keys, vals = node["k"], node["v"]
+        for j in _positions(node, path, select, route):
+            k = keys[j]
+            v = unflatten(vals[j], tensor, allow_pickle, f"{path}.{k}" if path else str(k), select, route)
             if v is not SKIP:
                 out[k] = v
         return SKIP if _drop_empty(select, path, out) else out
     if t in ("list", "tuple"):
-        items = [unflatten(c, tensor, allow_pickle, f"{path}.{i}" if path else str(i), select)
-                 for i, c in enumerate(node["v"])]
+        vals = node["v"]
+        items = [unflatten(vals[i], tensor, allow_pickle, f"{path}.{i}" if path else str(i), select, route)
+                 for i in _positions(node, path, select, route)]
         items = [x for x in items if x is not SKIP]
         if _drop_empty(select, path, items):
             return SKIP
@@ -324,6 +335,99 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
             )
         return pickle.loads(base64.b64decode(node["v"]))
     raise UnsupportedValueError(f"{path or '<state>'} has node type {t!r} unknown to this datastates; upgrade it")
+
+
+def tensor_rows(node: dict[str, Any], select: Callable[[str], bool] | None = None, route: Route | None = None,
+                path: str = "") -> list[int]:
+    """The manifest rows of the tensor leaves `unflatten(node, ..., select=select, route=route)` asks for,
+    in tree order."""
+    t = node["t"]
+    if t == "tensor":
+        return [node["i"]] if select is None or select(path) else []
+    out: list[int] = []
+    if t in ("dict", "odict"):
+        keys, vals = node["k"], node["v"]
+        for j in _positions(node, path, select, route):
+            out += tensor_rows(vals[j], select, route, f"{path}.{keys[j]}" if path else str(keys[j]))
+    elif t in ("list", "tuple"):
+        vals = node["v"]
+        for i in _positions(node, path, select, route):
+            out += tensor_rows(vals[i], select, route, f"{path}.{i}" if path else str(i))
+    return out
+
+
+def _positions(node: dict[str, Any], path: str, select: Callable[[str], bool] | None,
+               route: Route | None) -> Iterable[int]:
+    """The children of a container to visit: all of them, unless a route says which (and `select` does
+    not name the container itself, which takes it whole)."""
+    if route is None or select is None or (path and select(path)):
+        return range(len(node["v"]))
+    return route.get(id(node), ())
+
+
+class PathIndex:
+    """Finds the nodes of one skeleton that exact key paths name, visiting only the containers on the way.
+
+    Each visited dict's child keys are sorted once, on first use, so the same lookups on a cached
+    manifest cost a few bisections per level, however many keys it has. Keys may themselves contain
+    dots (`{"layers.0.weight": t}`): a key path can cross a node in several ways, all of them found.
+    """
+
+    def __init__(self, tree: dict[str, Any]) -> None:
+        self.tree = tree
+        self._sorted: dict[int, tuple[list[str], list[int]]] = {}  # by id(node): the nodes live as long as `tree`
+
+    def route(self, keys: Iterable[str]) -> tuple[Route, set[str]]:
+        """The route to `keys` (non-empty exact paths), and which of them name a node: a node whose path
+        is the key or lies under it (`a.b` names `a.b.c`)."""
+        on: dict[int, set[int]] = {}
+        found: set[str] = set()
+        for key in keys:
+            self._walk(self.tree, "", key, on, found)
+        return {n: sorted(js) for n, js in on.items()}, found
+
+    def _walk(self, node: dict[str, Any], path: str, key: str, route: dict[int, set[int]], found: set[str]) -> None:
+        t = node["t"]
+        if t not in _CONTAINERS:
+            return
+        rem = key[len(path) + 1:] if path else key
+        on = route.setdefault(id(node), set())
+        for j in self._candidates(node, rem, not path):
+            seg = f"{node['k'][j]}" if t in ("dict", "odict") else str(j)
+            sub = f"{path}.{seg}" if path else seg
+            if sub and (sub == key or sub.startswith(key + ".")):
+                found.add(key)
+            elif not sub or key.startswith(sub + "."):  # an empty key at the top adds nothing to the path
+                self._walk(node["v"][j], sub, key, route, found)
+            else:
+                continue
+            on.add(j)
+
+    def _candidates(self, node: dict[str, Any], rem: str, at_top: bool) -> list[int]:
+        """Children whose key segment is `rem`, a dotted prefix of `rem`, or starts with `rem` + '.'; and
+        the empty segment `at_top` (the node's path is empty: that child's path is empty too)."""
+        if node["t"] in ("list", "tuple"):  # segments are indices: no dots
+            head = rem.partition(".")[0]
+            if head.isascii() and head.isdigit() and str(int(head)) == head and int(head) < len(node["v"]):
+                return [int(head)]
+            return []
+        ix = self._sorted.get(id(node))
+        if ix is None:
+            segs = [f"{k}" for k in node["k"]]
+            order = sorted(range(len(segs)), key=segs.__getitem__)
+            ix = self._sorted[id(node)] = ([segs[j] for j in order], order)
+        names, order = ix
+        out: list[int] = []
+        end = len(rem)
+        while end >= 0:  # rem itself, then each dotted prefix of it
+            p = rem[:end]
+            out += order[bisect.bisect_left(names, p):bisect.bisect_right(names, p)]
+            end = rem.rfind(".", 0, end)
+        # every string starting with rem + "." sorts in [rem + ".", rem + "/"): "/" follows "."
+        out += order[bisect.bisect_left(names, rem + "."):bisect.bisect_left(names, rem + "/")]
+        if at_top and not rem.startswith("."):  # else the loop above took the empty segment already
+            out += order[:bisect.bisect_right(names, "")]
+        return out
 
 
 def _drop_empty(select: Callable[[str], bool] | None, path: str, kept: Any) -> bool:
