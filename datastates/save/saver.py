@@ -25,7 +25,7 @@ from .capture import CaptureOrder, capture
 from .collective import plan
 from .job import SaveHandle, SaveJob
 from .pipeline import Pipeline
-from .tree import flatten
+from .tree import FlattenCache
 
 Reused = tuple[tuple[object, ...], list[bytes], dict[str, Any], int]
 """What `reuse_unchanged` remembers per key: (tensor signature, chunk ids, stats, chunk size)."""
@@ -76,6 +76,7 @@ class Saver:
                                  on_error=on_error, guard=guard)
         self.last_saved: dict[str, Reused] = {}
         self._capture_order = CaptureOrder()
+        self.flattener = FlattenCache()
         self._cuda_stream: Any = None
         self._step_hooks: weakref.WeakKeyDictionary[Any, list[SaveHandle]] = weakref.WeakKeyDictionary()
 
@@ -95,7 +96,7 @@ class Saver:
     def _submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                 optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
                 t_call: float, comm: Comm | None, replicated: list[str] | None) -> SaveHandle:
-        tree, entries = flatten(state, allow_pickle=allow_pickle)
+        tree, entries = self.flattener.flatten(state, allow_pickle=allow_pickle)
         dist = plan(entries, replicated or [], comm) if comm is not None and comm.size > 1 else None
         handle = SaveHandle()
         job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
