@@ -27,7 +27,7 @@ from ..objects.chunks import CODEC_RAW, CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
 from .buffers import BufferPool, Slot
 from .job import SaveJob
-from .stats import Partial, partial
+from .stats import BATCHED_DTYPES, Partial, partial, partial_many
 from .tree import TensorEntry
 
 if TYPE_CHECKING:
@@ -48,16 +48,9 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
     # Compress only what will be written: a chunk the store has is skipped by the writer anyway.
     stored = has_chunks(cids) if zstd_level and has_chunks is not None else [False] * len(cids)
-    for p, cid, have in zip(slot.pieces, cids, stored):
+    stats = _slot_stats(slot, entries, cids, known)
+    for p, cid, have, st in zip(slot.pieces, cids, stored, stats):
         mv = arr[p.start:p.start + p.length].data
-        e = entries[p.row]
-        st: Stats = None
-        if e.kind == "tensor":
-            k = known.get(p.row) if known else None
-            if k is not None and k[0] == cid and p.length == e.nbytes:
-                st = k[1]
-            else:
-                st = partial(slot.buf[p.start:p.start + p.length], e.dtype)
         packed = None
         if zstd_level and p.length >= 4096 and not have:
             import zstandard
@@ -66,6 +59,46 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
             if len(z) < p.length * 0.95:
                 packed = z
         out.append((cid, st, packed))
+    return out
+
+
+def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
+                known: dict[int, tuple[bytes, dict[str, Any]]] | None) -> list[Stats]:
+    """The statistics of each piece of `slot`: known from an earlier save of the same bytes, or computed; runs
+    of equal, adjacent pieces of one float dtype (thousands of small tensors) are summarized together."""
+    out: list[Stats] = [None] * len(slot.pieces)
+    run: list[int] = []  # indices of adjacent pieces of one batchable dtype and one length
+
+    def flush() -> None:
+        if len(run) > 1:
+            first = slot.pieces[run[0]]
+            end = first.start + first.length * len(run)
+            many = partial_many(slot.buf[first.start:end], entries[first.row].dtype, len(run))
+            for i, st in zip(run, many):
+                out[i] = st
+        for i in run:
+            if out[i] is None:
+                p = slot.pieces[i]
+                out[i] = partial(slot.buf[p.start:p.start + p.length], entries[p.row].dtype)
+        run.clear()
+
+    for i, (p, cid) in enumerate(zip(slot.pieces, cids)):
+        e = entries[p.row]
+        if e.kind != "tensor":
+            continue
+        k = known.get(p.row) if known else None
+        if k is not None and k[0] == cid and p.length == e.nbytes:
+            out[i] = k[1]
+            continue
+        if run:
+            last = slot.pieces[run[-1]]
+            if not (e.dtype is entries[last.row].dtype and p.length == last.length
+                    and p.start == last.start + last.length):
+                flush()
+        run.append(i)
+        if e.dtype not in BATCHED_DTYPES or not p.length:
+            flush()
+    flush()
     return out
 
 
