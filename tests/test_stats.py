@@ -92,7 +92,9 @@ def test_unchanged_tensors_keep_their_stats_and_changed_ones_are_recomputed(tmp_
     assert rows2["w7"]["mean"] != rows1["w7"]["mean"]
 
 
-def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The dtypes of the pieces whose statistics the pipeline computes one at a time (`partial`), in order."""
     import datastates.save.pipeline as pipeline
 
     calls: list[torch.dtype] = []
@@ -103,6 +105,11 @@ def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, monkey
         return real(raw, dtype)
 
     monkeypatch.setattr(pipeline, "partial", counting)
+    return calls
+
+
+def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, alone: list[torch.dtype]) -> None:
+    calls = alone
     g = torch.Generator().manual_seed(5)
     st = {f"w{i}": torch.randn(500, generator=g) for i in range(30)}
     with ds.Store.open(tmp_path / "s") as store:
@@ -116,17 +123,7 @@ def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, monkey
 
 
 def test_equal_small_tensors_are_summarized_together_with_the_same_values(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import datastates.save.pipeline as pipeline
-
-    alone: list[torch.dtype] = []
-    real = pipeline.partial
-
-    def counting(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
-        alone.append(dtype)
-        return real(raw, dtype)
-
-    monkeypatch.setattr(pipeline, "partial", counting)
+        tmp_path: Path, alone: list[torch.dtype]) -> None:
     g = torch.Generator().manual_seed(6)
     st: dict[str, torch.Tensor] = {f"f{i:02d}": torch.randn(1024, generator=g) * (i + 1) + i for i in range(40)}
     st["f05"][17] = float("nan")
