@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..objects.chunks import CODEC_RAW, CODEC_ZSTD, chunk_id
+from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
-from .buffers import BufferPool, Slot
+from .buffers import BufferPool, Piece, Slot
 from .job import SaveJob
 from .stats import BATCHED_DTYPES, Partial, partial, partial_many
 from .tree import TensorEntry
@@ -214,6 +214,8 @@ class Pipeline:
             results = fut.result()
             known = self._has_chunks(job, [cid for cid, _, _ in results])
             arr = slot.buf.numpy()
+            run: list[tuple[Piece, bytes]] = []  # new raw chunks back to back in the slot: written together
+            pending: set[bytes] = set()
             for piece, (cid, st, packed), have in zip(slot.pieces, results, known):
                 e = job.entries[piece.row]
                 e.chunks.append(cid)
@@ -221,17 +223,45 @@ class Pipeline:
                     e.stats = dict(st)
                 elif st is not None:
                     job.partials.setdefault(piece.row, Partial()).merge(st)
-                if have or cid in job.new_chunks:
+                if have or cid in job.new_chunks or cid in pending:
                     continue
-                w = job.packs[-1] if job.packs and job.packs[-1].size < self.pack_bytes else None
-                if w is None:
-                    w = self._new_pack()
-                    job.packs.append(w)
+                if run and (packed is not None or piece.start != run[-1][0].start + run[-1][0].length):
+                    self._write_run(job, arr, run)
+                    pending.clear()
                 if packed is not None:
-                    loc = w.add(cid, packed, piece.length, CODEC_ZSTD)
+                    loc = self._pack_for(job).add(cid, packed, piece.length, CODEC_ZSTD)
+                    job.new_chunks[cid] = loc
+                    job.bytes_new += loc.length
                 else:
-                    loc = w.add(cid, arr[piece.start:piece.start + piece.length].data, piece.length, CODEC_RAW)
-                job.new_chunks[cid] = loc
-                job.bytes_new += loc.length
+                    run.append((piece, cid))
+                    pending.add(cid)
+            self._write_run(job, arr, run)
         finally:
             self.pool.release(slot)
+
+    def _pack_for(self, job: SaveJob) -> PackWriter:
+        """The pack the job's next chunk goes to: its last one while under `pack_bytes`, else a new one."""
+        if job.packs and job.packs[-1].size < self.pack_bytes:
+            return job.packs[-1]
+        w = self._new_pack()
+        job.packs.append(w)
+        return w
+
+    def _write_run(self, job: SaveJob, arr: Any, run: list[tuple[Piece, bytes]]) -> None:
+        """Write raw chunks lying back to back in the slot with one append per pack, each chunk going to the
+        pack it would go to alone (the last one while under `pack_bytes`); empties `run`."""
+        i = 0
+        while i < len(run):
+            w = self._pack_for(job)
+            j, size = i, w.size
+            while j < len(run) and size < self.pack_bytes:
+                size += run[j][0].length
+                j += 1
+            first, last = run[i][0], run[j - 1][0]
+            locs = w.add_run([cid for _, cid in run[i:j]], arr[first.start:last.start + last.length].data,
+                             [p.length for p, _ in run[i:j]])
+            for (_, cid), loc in zip(run[i:j], locs):
+                job.new_chunks[cid] = loc
+                job.bytes_new += loc.length
+            i = j
+        run.clear()
