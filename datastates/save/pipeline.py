@@ -26,7 +26,7 @@ import torch
 from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
 from .buffers import BufferPool, Piece, Slot
-from .job import SaveJob
+from .job import Reused, SaveJob
 from .stats import BATCHED_DTYPES, Partial, partial, partial_many
 from .tree import TensorEntry
 
@@ -40,7 +40,7 @@ Hashed = list[tuple[bytes, Stats, bytes | None]]
 
 def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
                has_chunks: Callable[[list[bytes]], list[bool]] | None = None,
-               known: dict[int, tuple[bytes, dict[str, Any]]] | None = None) -> Hashed:
+               known: dict[int, Reused] | None = None) -> Hashed:
     if slot.event is not None:
         slot.event.synchronize()
     out = []
@@ -63,7 +63,7 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
 
 
 def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
-                known: dict[int, tuple[bytes, dict[str, Any]]] | None) -> list[Stats]:
+                known: dict[int, Reused] | None) -> list[Stats]:
     """The statistics of each piece of `slot`: known from an earlier save of the same bytes, or computed; runs
     of equal, adjacent pieces of one float dtype (thousands of small tensors) are summarized together."""
     out: list[Stats] = [None] * len(slot.pieces)
@@ -87,8 +87,8 @@ def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
         if e.kind != "tensor":
             continue
         k = known.get(p.row) if known else None
-        if k is not None and k[0] == cid and p.length == e.nbytes:
-            out[i] = k[1]
+        if k is not None and k[1][0] == cid and p.length == e.nbytes:
+            out[i] = k[2]
             continue
         if run:
             last = slot.pieces[run[-1]]

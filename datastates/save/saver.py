@@ -23,13 +23,9 @@ from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, capture
 from .collective import plan
-from .job import SaveHandle, SaveJob
+from .job import Reused, SaveHandle, SaveJob
 from .pipeline import Pipeline
 from .tree import FlattenCache
-
-Reused = tuple[tuple[object, ...], list[bytes], dict[str, Any], int]
-"""What `reuse_unchanged` remembers per key: (tensor signature, chunk ids, stats, chunk size)."""
-
 
 _gc_lock = threading.Lock()
 _gc_depth = 0
@@ -135,7 +131,7 @@ class Saver:
                 continue
             last = last_saved.get(e.key)
             if last is not None and len(last[1]) == 1 and last[3] == job.chunk_size and last[0][2] == e.dtype:
-                job.known_stats[row] = (last[1][0], last[2])
+                job.known_stats[row] = last
 
     def _reuse_unchanged(self, job: SaveJob) -> None:
         """Point untouched tensors at the chunks and stats this store saved for them last time."""
@@ -178,7 +174,7 @@ class Saver:
             pass  # reported through the handle by the pipeline
 
     def _stream_for(self, entries: list[Any]) -> Any:
-        if not any(e.source is not None and e.source.device.type == "cuda" for e in entries):
+        if not any(e.source is not None and e.source.is_cuda for e in entries):
             return None
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream()
