@@ -222,7 +222,11 @@ class Pipeline:
                 if isinstance(st, dict):
                     e.stats = dict(st)
                 elif st is not None:
-                    job.partials.setdefault(piece.row, Partial()).merge(st)
+                    merged = job.partials.get(piece.row)
+                    if merged is None:
+                        job.partials[piece.row] = st  # made for this piece alone: no one else holds it
+                    else:
+                        merged.merge(st)
                 if have or cid in job.new_chunks or cid in pending:
                     continue
                 if run and (packed is not None or piece.start != run[-1][0].start + run[-1][0].length):

@@ -116,10 +116,12 @@ class Saver:
         return handle
 
     def remember(self, job: SaveJob) -> None:
-        """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`."""
+        """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`. Keeps the
+        committed job's own lists and dicts (nothing changes them after the commit; readers copy them)."""
+        last_saved, chunk_size = self.last_saved, job.chunk_size
         for e in job.entries:
             if e.kind == "tensor" and e.sig is not None:
-                self.last_saved[e.key] = (e.sig, list(e.chunks), dict(e.stats), job.chunk_size)
+                last_saved[e.key] = (e.sig, e.chunks, e.stats, chunk_size)
 
     def _known_stats(self, job: SaveJob) -> None:
         """Offer the pipeline the stats of each single-chunk tensor as last saved under its key with the
