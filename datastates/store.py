@@ -268,6 +268,7 @@ class Store(Queries):
             return
         self.repo.closed = True
         try:
+            self._saver.flattener.clear()  # no reference to the caller's storages outlives the store
             self.pipeline.stop()
             if self.flusher is not None:
                 self.flusher.stop(drain=True)

@@ -194,17 +194,18 @@ def _causes(exc: BaseException | None) -> list[BaseException]:
 
 
 def _fail_nth(n: int, err: int = errno.EIO) -> Any:
-    """A PackWriter.add that raises OSError(err) on its n-th call and otherwise writes normally."""
-    orig = PackWriter.add
+    """A PackWriter.append_stored (every chunk write: one chunk, or a stretch of small ones back to back) that
+    raises OSError(err) on its n-th call and otherwise writes normally."""
+    orig = PackWriter.append_stored
     calls = [0]
 
-    def add(self: PackWriter, *a: Any, **k: Any) -> Any:
+    def append_stored(self: PackWriter, *a: Any, **k: Any) -> Any:
         calls[0] += 1
         if calls[0] == n:
             raise OSError(err, f"injected {errno.errorcode[err]} on chunk write {n}")
         return orig(self, *a, **k)
 
-    return add
+    return append_stored
 
 
 def _helper(name: str) -> Any:
@@ -323,7 +324,7 @@ def test_writer_error_fails_the_save_invisibly_and_is_reported_once(
         base = s.save({"w": torch.ones(16)}, step=0)
         count, files = s.catalog.version_count(), _files(s.path)
 
-        monkeypatch.setattr(PackWriter, "add", _fail_nth(nth))
+        monkeypatch.setattr(PackWriter, "append_stored", _fail_nth(nth))
         h = s.save_async(state, step=1)
         with pytest.raises(SaveFailedError) as ei:
             h.result(WAIT)
@@ -409,7 +410,7 @@ def test_a_failed_save_does_not_take_down_saves_queued_behind_it(
     good_state = _plain_state(10, 2, MiB // 4)
     with _store(tmp_path) as s:
         base = s.save({"w": torch.ones(16)})
-        monkeypatch.setattr(PackWriter, "add", gated_fail)
+        monkeypatch.setattr(PackWriter, "append_stored", gated_fail)
         bad = s.save_async(_plain_state(9, 2, MiB // 4), step=1)
         good = s.save_async(good_state, step=2)
         release.set()
@@ -466,7 +467,7 @@ def test_error_after_the_last_slot_fails_the_save_instead_of_hanging(
         base = s.save({"w": torch.ones(16)})
         count, files = s.catalog.version_count(), _files(s.path)
         if where == "last-chunk-write":
-            monkeypatch.setattr(PackWriter, "add", _fail_nth(4))
+            monkeypatch.setattr(PackWriter, "append_stored", _fail_nth(4))
         elif where == "pack-seal":
             monkeypatch.setattr(PackWriter, "seal", _fail_seal)
         else:
@@ -576,7 +577,7 @@ def test_context_manager_exit_waits_for_saves_in_flight(tmp_path: Path) -> None:
 
 def test_context_manager_reports_a_failed_save_or_lets_the_block_error_through(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(PackWriter, "add", _fail_nth(1))
+    monkeypatch.setattr(PackWriter, "append_stored", _fail_nth(1))
     with pytest.raises(SaveFailedError), Store.open(tmp_path / "a", chunk_size=CHUNK) as s:
         s.save_async(_plain_state(17, 2, MiB // 4))
     with pytest.raises(ValueError, match="from the block"), Store.open(tmp_path / "b", chunk_size=CHUNK) as s:
@@ -663,7 +664,7 @@ def test_optimizer_hook_survives_a_failed_save(tmp_path: Path, monkeypatch: pyte
     model, opt, x = _model_and_opt(2)
     with _store(tmp_path) as s:
         n_hooks = len(opt._optimizer_step_pre_hooks)
-        monkeypatch.setattr(PackWriter, "add", _fail_nth(1))
+        monkeypatch.setattr(PackWriter, "append_stored", _fail_nth(1))
         h = s.save_async({"model": model}, lazy=True, optimizer=opt)
         assert isinstance(h.exception(WAIT), OSError)
         monkeypatch.undo()

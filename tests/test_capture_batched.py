@@ -147,3 +147,46 @@ def test_save_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> No
             assert torch.equal(store.load(v)["t2999"], st["t2999"])
     finally:
         gc.callbacks.remove(seen)
+
+
+def _equal_small(n: int = 200) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    st = {f"s.{i:03d}": torch.randn(4096, generator=g) for i in range(n)}  # 16 KiB each: back to back in a slot
+    st["s.100"] = st["s.099"].clone()  # the same bytes twice in one run: stored once
+    return st
+
+
+def test_adjacent_small_tensors_are_written_as_one_stretch_and_deduped_per_tensor(tmp_path: Path) -> None:
+    st = _equal_small()
+    with ds.Store.open(tmp_path / "s", chunk_size=1 << 20) as store:
+        v1 = store.save(st)
+        assert v1.chunks_new == 199 and v1.bytes_new == 199 * 16384
+        rows = _rows(store, v1)
+        locs = [store.catalog.chunk(rows[f"s.{i:03d}"]["chunks"][0]) for i in range(100)]
+        assert len({loc.pack for loc in locs}) == 1
+        assert [b.offset - a.offset for a, b in zip(locs, locs[1:])] == [16384] * 99  # laid out back to back
+        for i in (0, 57, 199):
+            assert rows[f"s.{i:03d}"]["chunks"] == [blake3.blake3(_raw(st[f"s.{i:03d}"])).digest()]
+        with torch.no_grad():
+            st["s.042"].add_(1)
+        v2 = store.save(st)
+        assert v2.chunks_new == 1 and v2.bytes_new == 16384
+        assert torch.equal(store.load(v2, keys=["s.042"])["s.042"], st["s.042"])
+        got = store.load(v2)
+        assert all(torch.equal(got[k], t) for k, t in st.items())
+
+
+def test_a_stretch_of_small_tensors_is_cut_at_the_pack_limit(tmp_path: Path) -> None:
+    st = _equal_small()
+    with ds.Store.open(tmp_path / "s", chunk_size=1 << 20) as store:
+        store.pipeline.pack_bytes = 100 << 10  # a chunk goes to a pack still under 100 KiB, else to a new one
+        v = store.save(st)
+        by_pack: dict[str, list[int]] = {}
+        for r in _rows(store, v).values():
+            loc = store.catalog.chunk(r["chunks"][0])
+            by_pack.setdefault(loc.pack, []).append(loc.offset)
+        assert len(by_pack) == 29  # 199 distinct chunks, 7 a pack (8-byte header + 7 x 16 KiB crosses 100 KiB)
+        assert all(max(offsets) < 100 << 10 for offsets in by_pack.values())
+        assert torch.equal(store.load(v, keys=["s.150"])["s.150"], st["s.150"])
+        got = store.load(v)
+        assert all(torch.equal(got[k], t) for k, t in st.items())

@@ -92,7 +92,9 @@ def test_unchanged_tensors_keep_their_stats_and_changed_ones_are_recomputed(tmp_
     assert rows2["w7"]["mean"] != rows1["w7"]["mean"]
 
 
-def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def alone(monkeypatch: pytest.MonkeyPatch) -> list[torch.dtype]:
+    """The dtypes of the pieces whose statistics the pipeline computes one at a time (`partial`), in order."""
     import datastates.save.pipeline as pipeline
 
     calls: list[torch.dtype] = []
@@ -103,6 +105,11 @@ def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, monkey
         return real(raw, dtype)
 
     monkeypatch.setattr(pipeline, "partial", counting)
+    return calls
+
+
+def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, alone: list[torch.dtype]) -> None:
+    calls = alone
     g = torch.Generator().manual_seed(5)
     st = {f"w{i}": torch.randn(500, generator=g) for i in range(30)}
     with ds.Store.open(tmp_path / "s") as store:
@@ -113,3 +120,27 @@ def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, monkey
         st["w9"] = st["w9"].view(torch.int32)
         store.save(st)
     assert sorted(map(str, calls)) == ["torch.float32", "torch.int32"]
+
+
+def test_equal_small_tensors_are_summarized_together_with_the_same_values(
+        tmp_path: Path, alone: list[torch.dtype]) -> None:
+    g = torch.Generator().manual_seed(6)
+    st: dict[str, torch.Tensor] = {f"f{i:02d}": torch.randn(1024, generator=g) * (i + 1) + i for i in range(40)}
+    st["f05"][17] = float("nan")
+    st["f06"][3] = float("inf")
+    st["f07"] = 1.0 + 1e-6 * torch.randn(1024, generator=g)  # a spread the one-pass formula cannot keep
+    st["i00"] = torch.arange(1024, dtype=torch.int32)  # another dtype between runs
+    st.update({f"h{i}": (torch.randn(2048, generator=g) * 3).to(torch.float16) for i in range(5)})
+    st.update({f"b{i}": (torch.randn(2048, generator=g) - 5).to(torch.bfloat16) for i in range(5)})
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save(st)
+        rows = {r["key"]: r for r in store.manifest(v.manifests["0"]).rows}
+    assert sorted(map(str, alone)) == ["torch.float32"] * 3 + ["torch.int32"]  # f05, f06, f07 and i00
+    for k, t in st.items():
+        want = _stats_of(t)
+        finite = t.double()[torch.isfinite(t)]
+        for f in ("nan_count", "inf_count", "min", "max"):
+            assert rows[k][f] == want[f], (k, f)
+        assert rows[k]["mean"] == pytest.approx(float(finite.mean()), rel=1e-5, abs=1e-6), k
+        assert rows[k]["std"] == pytest.approx(float(finite.std()), rel=1e-4), k
+        assert rows[k]["l2"] == pytest.approx(float(finite.norm()), rel=1e-5), k

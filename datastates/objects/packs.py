@@ -28,7 +28,7 @@ import numpy as np
 
 from ..base.files import fsync_dir, raise_full_or, write_all
 from ..errors import IntegrityError, NotFoundError
-from .chunks import ChunkLocation
+from .chunks import CODEC_RAW, ChunkLocation
 
 HEADER = b"DSPACK01"
 FOOTER_MAGIC = b"DSPKIDX1"
@@ -131,6 +131,25 @@ class PackWriter:
         """Append one chunk's stored bytes; return where they landed (valid once sealed)."""
         view = memoryview(stored).cast("B")
         n = len(view)
+        offset = self.append_stored(view)
+        self._entries.append(_ENTRY.pack(cid, offset, n, raw_length, codec))
+        return ChunkLocation(self.id, offset, n, raw_length, codec)
+
+    def add_run(self, cids: list[bytes], stored: memoryview, lengths: list[int]) -> list[ChunkLocation]:
+        """Append raw chunks that lie back to back in `stored` (`lengths` in the order of `cids`) with one
+        write: thousands of small chunks cost one copy, not one each. Their locations (valid once sealed)."""
+        offset = self.append_stored(memoryview(stored).cast("B"))
+        locs = []
+        for cid, n in zip(cids, lengths):
+            self._entries.append(_ENTRY.pack(cid, offset, n, n, CODEC_RAW))
+            locs.append(ChunkLocation(self.id, offset, n, n, CODEC_RAW))
+            offset += n
+        return locs
+
+    def append_stored(self, view: memoryview) -> int:
+        """Write stored chunk bytes (one chunk or a stretch of them) at the end of the pack, big aligned ones
+        straight from the caller's memory; their offset. Every chunk write passes here."""
+        n = len(view)
         if self._bounce is not None and n >= (256 << 10) and n % _ALIGN == 0 and _address(view) % _ALIGN == 0:
             self._pad()
             offset = self.size
@@ -139,8 +158,7 @@ class PackWriter:
         else:
             offset = self.size
             self._append(view)
-        self._entries.append(_ENTRY.pack(cid, offset, n, raw_length, codec))
-        return ChunkLocation(self.id, offset, n, raw_length, codec)
+        return offset
 
     def seal(self) -> None:
         """Write the index and footer, fsync, and rename into place.

@@ -68,7 +68,7 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
             if e.source is None:
                 continue
             src = e.source
-            on_gpu = src.device.type == "cuda"
+            on_gpu = src.is_cuda  # not device.type: a new str per tensor
             nbytes = e.nbytes
             if borrow and not on_gpu and nbytes >= BORROW_MIN and src.is_contiguous():
                 lent = Slot(src, [Piece(row, a, b - a) for a, b in spans(nbytes, job.chunk_size)], nbytes,

@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from ..meta.versions import Version
 
 
+Reused = tuple[tuple[object, ...], list[bytes], dict[str, Any], int]
+"""What the saver remembers of a tensor it saved: (tensor signature, chunk ids, stats, chunk size)."""
+
+
 class SaveHandle:
     """The caller's view of one asynchronous save.
 
@@ -118,8 +122,9 @@ class SaveJob:
     """For a collective save: its `save.collective.DistPlan` (None on one process)."""
     failure: BaseException | None = None
     """A collective save's own failure, carried to the commit so every rank hears of it."""
-    known_stats: dict[int, tuple[bytes, dict[str, Any]]] = field(default_factory=dict)
-    """Row -> (chunk id, stats) of the single-chunk tensor this store last saved under the row's key with
-    the same dtype: a piece that hashes to that id has those stats, so they are not computed again."""
+    known_stats: dict[int, Reused] = field(default_factory=dict)
+    """Row -> what this store last saved under the row's key (`Reused`: one chunk id, stats) for a single-chunk
+    tensor of the same dtype: a piece that hashes to that id has those stats, so they are not computed again.
+    The saver's own record, not a copy: no new object per row."""
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..objects.chunks import CODEC_RAW, CODEC_ZSTD, chunk_id
+from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
-from .buffers import BufferPool, Slot
-from .job import SaveJob
-from .stats import Partial, partial
+from .buffers import BufferPool, Piece, Slot
+from .job import Reused, SaveJob
+from .stats import BATCHED_DTYPES, Partial, partial, partial_many
 from .tree import TensorEntry
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ Hashed = list[tuple[bytes, Stats, bytes | None]]
 
 def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
                has_chunks: Callable[[list[bytes]], list[bool]] | None = None,
-               known: dict[int, tuple[bytes, dict[str, Any]]] | None = None) -> Hashed:
+               known: dict[int, Reused] | None = None) -> Hashed:
     if slot.event is not None:
         slot.event.synchronize()
     out = []
@@ -48,16 +48,9 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
     # Compress only what will be written: a chunk the store has is skipped by the writer anyway.
     stored = has_chunks(cids) if zstd_level and has_chunks is not None else [False] * len(cids)
-    for p, cid, have in zip(slot.pieces, cids, stored):
+    stats = _slot_stats(slot, entries, cids, known)
+    for p, cid, have, st in zip(slot.pieces, cids, stored, stats):
         mv = arr[p.start:p.start + p.length].data
-        e = entries[p.row]
-        st: Stats = None
-        if e.kind == "tensor":
-            k = known.get(p.row) if known else None
-            if k is not None and k[0] == cid and p.length == e.nbytes:
-                st = k[1]
-            else:
-                st = partial(slot.buf[p.start:p.start + p.length], e.dtype)
         packed = None
         if zstd_level and p.length >= 4096 and not have:
             import zstandard
@@ -66,6 +59,46 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
             if len(z) < p.length * 0.95:
                 packed = z
         out.append((cid, st, packed))
+    return out
+
+
+def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
+                known: dict[int, Reused] | None) -> list[Stats]:
+    """The statistics of each piece of `slot`: known from an earlier save of the same bytes, or computed; runs
+    of equal, adjacent pieces of one float dtype (thousands of small tensors) are summarized together."""
+    out: list[Stats] = [None] * len(slot.pieces)
+    run: list[int] = []  # indices of adjacent pieces of one batchable dtype and one length
+
+    def flush() -> None:
+        if len(run) > 1:
+            first = slot.pieces[run[0]]
+            end = first.start + first.length * len(run)
+            many = partial_many(slot.buf[first.start:end], entries[first.row].dtype, len(run))
+            for i, st in zip(run, many):
+                out[i] = st
+        for i in run:
+            if out[i] is None:
+                p = slot.pieces[i]
+                out[i] = partial(slot.buf[p.start:p.start + p.length], entries[p.row].dtype)
+        run.clear()
+
+    for i, (p, cid) in enumerate(zip(slot.pieces, cids)):
+        e = entries[p.row]
+        if e.kind != "tensor":
+            continue
+        k = known.get(p.row) if known else None
+        if k is not None and k[1][0] == cid and p.length == e.nbytes:
+            out[i] = k[2]
+            continue
+        if run:
+            last = slot.pieces[run[-1]]
+            if not (e.dtype is entries[last.row].dtype and p.length == last.length
+                    and p.start == last.start + last.length):
+                flush()
+        run.append(i)
+        if e.dtype not in BATCHED_DTYPES or not p.length:
+            flush()
+    flush()
     return out
 
 
@@ -181,24 +214,58 @@ class Pipeline:
             results = fut.result()
             known = self._has_chunks(job, [cid for cid, _, _ in results])
             arr = slot.buf.numpy()
+            run: list[tuple[Piece, bytes]] = []  # new raw chunks back to back in the slot: written together
+            pending: set[bytes] = set()
             for piece, (cid, st, packed), have in zip(slot.pieces, results, known):
                 e = job.entries[piece.row]
                 e.chunks.append(cid)
                 if isinstance(st, dict):
                     e.stats = dict(st)
                 elif st is not None:
-                    job.partials.setdefault(piece.row, Partial()).merge(st)
-                if have or cid in job.new_chunks:
+                    merged = job.partials.get(piece.row)
+                    if merged is None:
+                        job.partials[piece.row] = st  # made for this piece alone: no one else holds it
+                    else:
+                        merged.merge(st)
+                if have or cid in job.new_chunks or cid in pending:
                     continue
-                w = job.packs[-1] if job.packs and job.packs[-1].size < self.pack_bytes else None
-                if w is None:
-                    w = self._new_pack()
-                    job.packs.append(w)
+                if run and (packed is not None or piece.start != run[-1][0].start + run[-1][0].length):
+                    self._write_run(job, arr, run)
+                    pending.clear()
                 if packed is not None:
-                    loc = w.add(cid, packed, piece.length, CODEC_ZSTD)
+                    loc = self._pack_for(job).add(cid, packed, piece.length, CODEC_ZSTD)
+                    job.new_chunks[cid] = loc
+                    job.bytes_new += loc.length
                 else:
-                    loc = w.add(cid, arr[piece.start:piece.start + piece.length].data, piece.length, CODEC_RAW)
-                job.new_chunks[cid] = loc
-                job.bytes_new += loc.length
+                    run.append((piece, cid))
+                    pending.add(cid)
+            self._write_run(job, arr, run)
         finally:
             self.pool.release(slot)
+
+    def _pack_for(self, job: SaveJob) -> PackWriter:
+        """The pack the job's next chunk goes to: its last one while under `pack_bytes`, else a new one."""
+        if job.packs and job.packs[-1].size < self.pack_bytes:
+            return job.packs[-1]
+        w = self._new_pack()
+        job.packs.append(w)
+        return w
+
+    def _write_run(self, job: SaveJob, arr: Any, run: list[tuple[Piece, bytes]]) -> None:
+        """Write raw chunks lying back to back in the slot with one append per pack, each chunk going to the
+        pack it would go to alone (the last one while under `pack_bytes`); empties `run`."""
+        i = 0
+        while i < len(run):
+            w = self._pack_for(job)
+            j, size = i, w.size
+            while j < len(run) and size < self.pack_bytes:
+                size += run[j][0].length
+                j += 1
+            first, last = run[i][0], run[j - 1][0]
+            locs = w.add_run([cid for _, cid in run[i:j]], arr[first.start:last.start + last.length].data,
+                             [p.length for p, _ in run[i:j]])
+            for (_, cid), loc in zip(run[i:j], locs):
+                job.new_chunks[cid] = loc
+                job.bytes_new += loc.length
+            i = j
+        run.clear()

@@ -23,13 +23,9 @@ from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, capture
 from .collective import plan
-from .job import SaveHandle, SaveJob
+from .job import Reused, SaveHandle, SaveJob
 from .pipeline import Pipeline
-from .tree import flatten
-
-Reused = tuple[tuple[object, ...], list[bytes], dict[str, Any], int]
-"""What `reuse_unchanged` remembers per key: (tensor signature, chunk ids, stats, chunk size)."""
-
+from .tree import FlattenCache
 
 _gc_lock = threading.Lock()
 _gc_depth = 0
@@ -76,6 +72,7 @@ class Saver:
                                  on_error=on_error, guard=guard)
         self.last_saved: dict[str, Reused] = {}
         self._capture_order = CaptureOrder()
+        self.flattener = FlattenCache()
         self._cuda_stream: Any = None
         self._step_hooks: weakref.WeakKeyDictionary[Any, list[SaveHandle]] = weakref.WeakKeyDictionary()
 
@@ -95,7 +92,7 @@ class Saver:
     def _submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                 optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
                 t_call: float, comm: Comm | None, replicated: list[str] | None) -> SaveHandle:
-        tree, entries = flatten(state, allow_pickle=allow_pickle)
+        tree, entries = self.flattener.flatten(state, allow_pickle=allow_pickle)
         dist = plan(entries, replicated or [], comm) if comm is not None and comm.size > 1 else None
         handle = SaveHandle()
         job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
@@ -119,10 +116,12 @@ class Saver:
         return handle
 
     def remember(self, job: SaveJob) -> None:
-        """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`."""
+        """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`. Keeps the
+        committed job's own lists and dicts (nothing changes them after the commit; readers copy them)."""
+        last_saved, chunk_size = self.last_saved, job.chunk_size
         for e in job.entries:
             if e.kind == "tensor" and e.sig is not None:
-                self.last_saved[e.key] = (e.sig, list(e.chunks), dict(e.stats), job.chunk_size)
+                last_saved[e.key] = (e.sig, e.chunks, e.stats, chunk_size)
 
     def _known_stats(self, job: SaveJob) -> None:
         """Offer the pipeline the stats of each single-chunk tensor as last saved under its key with the
@@ -134,7 +133,7 @@ class Saver:
                 continue
             last = last_saved.get(e.key)
             if last is not None and len(last[1]) == 1 and last[3] == job.chunk_size and last[0][2] == e.dtype:
-                job.known_stats[row] = (last[1][0], last[2])
+                job.known_stats[row] = last
 
     def _reuse_unchanged(self, job: SaveJob) -> None:
         """Point untouched tensors at the chunks and stats this store saved for them last time."""
@@ -177,7 +176,7 @@ class Saver:
             pass  # reported through the handle by the pipeline
 
     def _stream_for(self, entries: list[Any]) -> Any:
-        if not any(e.source is not None and e.source.device.type == "cuda" for e in entries):
+        if not any(e.source is not None and e.source.is_cuda for e in entries):
             return None
         if self._cuda_stream is None:
             self._cuda_stream = torch.cuda.Stream()

@@ -101,12 +101,59 @@ def partial(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
     return p
 
 
+BATCHED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes whose equal pieces `partial_many` summarizes together (they all reduce in fp32)."""
+
+
+def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int) -> list[Partial | None]:
+    """Summaries of `count` equal, consecutive pieces of `raw` (uint8 bytes of whole elements of `dtype`, one of
+    `BATCHED_DTYPES`) from four batched reductions instead of a handful of torch calls per piece. None for a piece the
+    one-pass formulas cannot settle (a non-finite value, a spread tiny next to the mean): `partial` of that
+    piece alone is its summary."""
+    x = raw.view(dtype).view(count, -1)
+    n = x.shape[1]
+    totals: list[float] = []
+    squares: list[float] = []
+    lows: list[float] = []
+    highs: list[float] = []
+    rows = max(1, _BLOCK // n)  # squares (and fp32 copies) go through reused blocks: no new pages
+    for r in range(0, count, rows):
+        part = x[r:r + rows]
+        if part.dtype != torch.float32:
+            part = _block(0, part.numel()).view(part.shape).copy_(part)
+        totals += part.sum(1).tolist()
+        squares += torch.mul(part, part, out=_block(1, part.numel()).view(part.shape)).sum(1).tolist()
+        mins, maxs = torch.aminmax(part, dim=1)
+        lows += mins.tolist()
+        highs += maxs.tolist()
+    out: list[Partial | None] = []
+    isfinite = math.isfinite
+    for total, sq, lo, hi in zip(totals, squares, lows, highs):
+        mean = total / n
+        m2 = sq - total * mean
+        if isfinite(total) and isfinite(sq) and isfinite(lo) and isfinite(hi) and m2 > _SAFE * sq:
+            out.append(Partial(n=n, mean=mean, m2=m2, lo=lo, hi=hi))
+        else:
+            out.append(None)
+    return out
+
+
 _SAFE = 1e-2
 """Above this share of sum(x^2) the one-pass m2 keeps >= ~4 significant digits of the std in fp32
 (the error of sum(x^2) is a few ulps of it); below, `partial` recomputes m2 centred."""
 
 _BLOCK = 1 << 18
 _scratch = threading.local()
+
+
+def _block(which: int, numel: int) -> torch.Tensor:
+    """The first `numel` elements of reused per-thread fp32 scratch block `which` (grown, never shrunk)."""
+    blocks = getattr(_scratch, "fp32", None)
+    if blocks is None:
+        blocks = _scratch.fp32 = [torch.empty(0), torch.empty(0)]
+    if blocks[which].numel() < numel:
+        blocks[which] = torch.empty(max(numel, _BLOCK))
+    return blocks[which][:numel]
 
 
 def _centred(x: torch.Tensor, mean: float) -> tuple[float, float]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import bisect
 import pickle
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -260,6 +261,144 @@ def flatten(state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], lis
     tree = f.flatten(state)
     _renumber(tree, f.tensor_rows)
     return tree, f.entries
+
+
+_CACHEABLE = frozenset(("tensor", "v", "dict", "odict", "list", "tuple"))
+_PLAIN = (type(None), bool, str, int, float)
+
+
+def _tensor_sig(t: torch.Tensor) -> tuple[Any, ...]:
+    """What must not change for a tensor's manifest row and byte view to be reused (its values may)."""
+    return (type(t), t.data_ptr(), t.dtype, t.shape, t.stride(), t.storage_offset(), t.requires_grad, t.device)
+
+
+def _walk(v: Any, node: dict[str, Any], out: list[Any]) -> dict[str, Any] | None:
+    """`v` against the skeleton `node` of an earlier flatten: the skeleton of `v` (reusing `node` and its
+    unchanged parts), its tensors appended to `out` in flatten's order; None if `v` has another structure
+    (other container types or keys, a tensor where there was none, a value flatten encodes otherwise)."""
+    t = node["t"]
+    if t == "tensor":
+        if not isinstance(v, torch.Tensor):
+            return None
+        out.append(v)
+        return node
+    if t == "v":
+        if type(v) not in _PLAIN:
+            return None
+        return node if type(v) is type(node["v"]) and v == node["v"] else {"t": "v", "v": v}
+    if t in ("dict", "odict"):
+        if type(v) is not (dict if t == "dict" else OrderedDict) or len(v) != len(node["k"]):
+            return None
+        for k, k0 in zip(v, node["k"]):
+            if k is not k0 and (type(k) is not type(k0) or k != k0):
+                return None
+        vals = list(v.values())
+    elif type(v).__name__ == t and type(v) in (list, tuple):
+        if len(v) != len(node["v"]):
+            return None
+        vals = v
+    else:
+        return None
+    children = []
+    changed = False
+    for x, child in zip(vals, node["v"]):
+        new = _walk(x, child, out)
+        if new is None:
+            return None
+        changed = changed or new is not child
+        children.append(new)
+    return {**node, "v": children} if changed else node
+
+
+def _cacheable(node: dict[str, Any]) -> bool:
+    if node["t"] not in _CACHEABLE or "from" in node or "np" in node:
+        return False
+    return node["t"] in ("tensor", "v") or all(_cacheable(c) for c in node["v"])
+
+
+class _Flattened:
+    """One flatten kept for reuse: the skeleton, a template per row, and per tensor a weak reference and
+    the signature that must still hold (`_tensor_sig`). Holds the rows' byte views (so the storages they
+    view) only while every tensor object is alive: the first one to die drops the whole record."""
+
+    def __init__(self, tree: dict[str, Any], f: Flattener, tensors: list[torch.Tensor],
+                 on_death: Callable[[Any], None]) -> None:
+        self.tree = tree
+        self.refs = [weakref.ref(t, on_death) for t in tensors]
+        self.sigs = [_tensor_sig(t) for t in tensors]
+        tensor_of = {row: i for i, row in enumerate(f.tensor_rows)}
+        self.rows: list[tuple[TensorEntry, int, torch.Tensor | None]] = []
+        for row, e in enumerate(f.entries):
+            i = tensor_of.get(row, -1)
+            src = e.source
+            if e.kind == "tensor":
+                assert src is not None
+                t = tensors[i]
+                # A byte view is reused only if it reads the tensor's own memory (not a contiguous copy).
+                if not (src.numel() and src.data_ptr() == t.data_ptr()):
+                    src = None
+            template = TensorEntry(e.key, e.dtype, e.shape, e.device, e.kind, base=e.base, offset=e.offset,
+                                   stride=e.stride, nbytes=e.nbytes)
+            self.rows.append((template, i, src))
+
+    def reuse(self, state: Any) -> tuple[dict[str, Any], list[TensorEntry]] | None:
+        """The skeleton and fresh rows of `state` if it holds the same tensors as this flatten, in the same
+        structure, each with the same signature; None otherwise."""
+        tensors: list[torch.Tensor] = []
+        tree = _walk(state, self.tree, tensors)
+        if tree is None or len(tensors) != len(self.refs):
+            return None
+        for t, ref, sig in zip(tensors, self.refs, self.sigs):
+            if ref() is not t or _tensor_sig(t) != sig:
+                return None
+        entries = []
+        for tpl, i, src in self.rows:
+            e = TensorEntry(tpl.key, tpl.dtype, tpl.shape, tpl.device, tpl.kind, base=tpl.base, offset=tpl.offset,
+                            stride=tpl.stride, nbytes=tpl.nbytes)
+            if tpl.kind == "tensor":
+                t = tensors[i]
+                e.source = src if src is not None else _bytes_of(t)
+                sig = self.sigs[i]
+                e.sig = (sig[1], t._version, tpl.dtype, tpl.shape, sig[4], tpl.device)
+            elif tpl.kind == "storage":
+                e.source = src
+            entries.append(e)
+        return tree, entries
+
+
+class FlattenCache:
+    """`flatten` for a caller that saves the same state again and again (a training loop: same containers,
+    same tensor objects, new values): the last flatten is reused when the state has the same structure
+    and every tensor is the same object with the same data pointer, dtype, shape, strides, storage offset,
+    device and requires_grad; anything else flattens anew. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._last: _Flattened | None = None
+
+    def flatten(self, state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
+        """As `flatten`; raises what it raises."""
+        last = self._last
+        if last is not None:
+            hit = last.reuse(state)
+            if hit is not None:
+                return hit
+        f = Flattener(allow_pickle)
+        tree = f.flatten(state)
+        _renumber(tree, f.tensor_rows)
+        self._last = None
+        if _cacheable(tree):
+            tensors: list[torch.Tensor] = []
+            # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
+            if _walk(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
+                self._last = _Flattened(tree, f, tensors, self._forget)
+        return tree, f.entries
+
+    def clear(self) -> None:
+        """Drop the kept flatten (and with it every reference to the state's storages)."""
+        self._last = None
+
+    def _forget(self, _ref: Any) -> None:
+        self._last = None
 
 
 def _renumber(node: dict[str, Any], rows: list[int]) -> None:

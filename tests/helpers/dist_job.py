@@ -137,18 +137,18 @@ def main() -> None:
     elif mode == "failrank":
         from datastates.objects.packs import PackWriter
 
-        original_add = PackWriter.add
+        original_write = PackWriter.append_stored
         if rank == 1:
-            def failing_add(self: PackWriter, *args: object, **kw: object) -> object:
+            def failing_write(self: PackWriter, *args: object, **kw: object) -> int:
                 raise OSError(28, "No space left on device (injected)")
 
-            PackWriter.add = failing_add  # type: ignore[method-assign]
+            PackWriter.append_stored = failing_write  # type: ignore[method-assign]
         try:
             store.save({**replicated_state(1), "shard": shard(rank, 1)}, step=1, replicated=["model", "optim"])
             first = "saved"
         except ds.DataStatesError as exc:
             first = type(exc).__name__
-        PackWriter.add = original_add  # type: ignore[method-assign]
+        PackWriter.append_stored = original_write  # type: ignore[method-assign]
         try:
             store.wait()  # a failed background save is reported once more, by the next call (as on one process)
         except ds.SaveFailedError:

@@ -94,7 +94,7 @@ def crashat(store_path: str, point: str, seed: str) -> None:
         setattr(obj, name, wrapper)
 
     if point == "pack_add":  # mid-pack: the first chunk is in the .tmp file, the rest never comes
-        die_after(packs.PackWriter, "add")
+        die_after(packs.PackWriter, "append_stored")
     elif point == "pack_seal":
         die_after(packs.PackWriter, "seal")
     elif point == "manifest":

@@ -1,0 +1,206 @@
+"""The flatten cache (issue 13): a state saved again with the same structure and the same tensors reuses the
+last flatten; any change of structure, tensor object, storage, shape, stride, dtype, requires_grad or
+sharing flattens anew. Every case compares the cached result with a fresh `flatten` of the same state:
+the skeleton, every row's fields and the bytes each row would store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import datastates as ds
+from datastates.save import tree as tree_mod
+from datastates.save.tree import FlattenCache, TensorEntry, flatten
+
+
+def _row(e: TensorEntry, sig: bool) -> tuple[Any, ...]:
+    data = bytes(e.source.numpy()) if e.source is not None else None
+    return (e.key, e.dtype, tuple(e.shape), e.device, e.kind, e.base, e.offset, tuple(e.stride), e.nbytes,
+            e.sig if sig else None, data)
+
+
+def _same_as_fresh(cache: FlattenCache, state: Any, sig: bool = True) -> None:
+    tree, rows = cache.flatten(state)
+    fresh_tree, fresh_rows = flatten(state)
+    assert tree == fresh_tree
+    assert [_row(e, sig) for e in rows] == [_row(e, sig) for e in fresh_rows]
+    assert all(not e.chunks and not e.stats for e in rows)
+
+
+class _Counting:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        real = tree_mod.Flattener.flatten
+
+        def counted(f: Any, state: Any) -> Any:
+            self.n += 1
+            return real(f, state)
+
+        monkeypatch.setattr(tree_mod.Flattener, "flatten", counted)
+
+
+def _state() -> dict[str, Any]:
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return {"model": {"w": torch.nn.Parameter(w.clone()), "b": torch.ones(4), "tied": None},
+            "optim": [{"step": torch.tensor(3), "lr": 0.1}, ("adam", 2)],
+            "t": torch.arange(6, dtype=torch.int64).reshape(2, 3).t()}  # non-contiguous: copied bytes
+
+
+def test_same_state_is_flattened_once_and_reads_the_new_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    st = _state()
+    count = _Counting(monkeypatch)
+    cache = FlattenCache()
+    cache.flatten(st)
+    with torch.no_grad():
+        st["model"]["w"].add_(1)
+        st["t"].mul_(7)  # the strided tensor's bytes are a copy: made again on every reuse
+    st["optim"][0]["lr"] = 0.05  # a plain value may change without a new flatten
+    _same_as_fresh(cache, st)
+    assert count.n == 2  # the priming call and the fresh comparison; the reuse flattened nothing
+    tree, rows = cache.flatten(st)
+    assert tree["v"][1]["v"][0]["v"][1] == {"t": "v", "v": 0.05}
+    v0 = st["model"]["b"]._version
+    st["model"]["b"].add_(1)
+    sig = next(e.sig for e in cache.flatten(st)[1] if e.key == "model.b")
+    assert sig is not None and sig[1] == v0 + 1  # reuse_unchanged sees the version counter move
+
+
+Mutation = Callable[[dict[str, Any]], None]
+
+
+def _tie(st: dict[str, Any]) -> None:
+    st["model"]["tied"] = st["model"]["b"]
+
+
+def _set_storage(st: dict[str, Any]) -> None:
+    st["model"]["b"].set_(torch.zeros(4))
+
+
+def _set_same_storage_other_view(st: dict[str, Any]) -> None:
+    b = st["model"]["b"]
+    b.set_(b.untyped_storage(), 1, (2,), (1,))
+
+
+def _set_onto_other_tensor(st: dict[str, Any]) -> None:
+    with torch.no_grad():
+        st["model"]["w"].set_(st["model"]["b"].view(1, 4))  # tied through set_: w now shares b's storage
+
+
+def _resize_smaller(st: dict[str, Any]) -> None:
+    with torch.no_grad():
+        st["model"]["b"].resize_(2)  # same data pointer, fewer bytes
+
+
+def _resize_bigger(st: dict[str, Any]) -> None:
+    with torch.no_grad():
+        st["model"]["b"].resize_(9)
+
+
+def _dtype_in_place(st: dict[str, Any]) -> None:
+    st["model"]["b"].data = st["model"]["b"].data.to(torch.float64)
+
+
+def _requires_grad(st: dict[str, Any]) -> None:
+    st["model"]["b"].requires_grad_(True)
+
+
+def _replace_tensor(st: dict[str, Any]) -> None:
+    st["model"]["b"] = st["model"]["b"].clone()
+
+
+def _add_key(st: dict[str, Any]) -> None:
+    st["model"]["new"] = torch.ones(2)
+
+
+def _remove_key(st: dict[str, Any]) -> None:
+    del st["model"]["b"]
+
+
+def _rename_key(st: dict[str, Any]) -> None:
+    st["model"] = {("bb" if k == "b" else k): v for k, v in st["model"].items()}
+
+
+def _int_key_becomes_bool(st: dict[str, Any]) -> None:
+    st["optim"][1] = ("adam", True)
+
+
+def _tuple_becomes_list(st: dict[str, Any]) -> None:
+    st["optim"][1] = list(st["optim"][1])
+
+
+def _transpose_in_place(st: dict[str, Any]) -> None:
+    st["model"]["b"].unsqueeze_(0)
+
+
+@pytest.mark.parametrize("mutate", [
+    _tie, _set_storage, _set_same_storage_other_view, _set_onto_other_tensor, _resize_smaller, _resize_bigger,
+    _dtype_in_place, _requires_grad, _replace_tensor, _add_key, _remove_key, _rename_key, _int_key_becomes_bool,
+    _tuple_becomes_list, _transpose_in_place,
+])
+def test_a_changed_state_is_flattened_anew(mutate: Mutation) -> None:
+    st = _state()
+    cache = FlattenCache()
+    cache.flatten(st)
+    cache.flatten(st)
+    mutate(st)
+    _same_as_fresh(cache, st)
+    _same_as_fresh(cache, st)  # and the new structure is reused in turn
+
+
+def test_a_broken_tie_is_flattened_anew() -> None:
+    st = _state()
+    st["model"]["tied"] = st["model"]["b"]
+    st["model"]["view"] = st["model"]["w"].detach()[1:]  # a view: one storage row, two view rows
+    cache = FlattenCache()
+    cache.flatten(st)
+    kinds = [e.kind for e in cache.flatten(st)[1]]
+    assert "alias" in kinds and "storage" in kinds
+    st["model"]["tied"] = st["model"]["b"].clone()
+    st["model"]["view"].set_(st["model"]["view"].clone())
+    _same_as_fresh(cache, st)
+    assert {e.kind for e in cache.flatten(st)[1]} == {"tensor"}
+
+
+def test_conjugate_views_are_never_reused() -> None:
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    st = {"z": z.conj()}
+    cache = FlattenCache()
+    cache.flatten(st)
+    assert cache._last is None  # saved through a resolved copy: nothing to reuse
+    _same_as_fresh(cache, st, sig=False)  # each flatten resolves into a new copy (another data pointer)
+
+
+def test_the_cache_keeps_no_storage_alive_after_its_tensors_die() -> None:
+    st = _state()
+    cache = FlattenCache()
+    cache.flatten(st)
+    assert cache._last is not None
+    del st["model"]
+    assert cache._last is None
+
+
+def test_saves_of_a_changing_state_load_back_exactly(tmp_path: Path) -> None:
+    st = _state()
+    st["model"]["tied"] = st["model"]["b"]
+    with ds.Store.open(tmp_path / "s") as store:
+        v1 = store.save(st)
+        with torch.no_grad():
+            st["model"]["b"].add_(5)
+        v2 = store.save(st)  # reused flatten
+        st["model"]["tied"] = st["model"]["b"].clone()
+        with torch.no_grad():
+            st["model"]["b"].resize_(2)
+        v3 = store.save(st)
+        back1, back2, back3 = store.load(v1), store.load(v2), store.load(v3)
+    assert back1["model"]["tied"] is back1["model"]["b"]
+    assert torch.equal(back2["model"]["b"], torch.full((4,), 6.0))
+    assert back2["model"]["tied"] is back2["model"]["b"]
+    assert torch.equal(back3["model"]["b"], torch.full((2,), 6.0))
+    assert torch.equal(back3["model"]["tied"], torch.full((4,), 6.0))
+    assert back3["model"]["tied"].untyped_storage().data_ptr() != back3["model"]["b"].untyped_storage().data_ptr()
+    assert isinstance(back3["model"]["w"], torch.nn.Parameter)
+    assert torch.equal(back3["t"], st["t"])
