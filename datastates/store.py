@@ -516,16 +516,16 @@ class Store(Queries):
         Raises what `load` raises for `ref` and `keys`, and CommTimeoutError as collectives do."""
         self._check_open()
         v = self.version(ref)
+        rank, sel = (0, None) if every_rank else reader.rank_for(v, self.comm, keys)
+        if self.placement is None or self.placement.groups == 1:
+            return 0  # the arguments were checked; nothing to fetch, so no manifest is decoded
         if every_rank:
             rows = [r for part in v.manifests for r in self.manifest_of(v, part).rows if r["chunks"]]
         else:
-            rank, sel = reader.rank_for(v, self.comm, keys)
             patterns = None if sel is None else key_patterns(sel) or []
             rows = [r for r in self.manifest_of(v, rank).rows if r["chunks"] and (
                 patterns is None or r["kind"] == "storage" or matches(r["key"], patterns))]
         packs = {loc.pack for r in rows for loc in self.catalog.chunks(r["chunks"]) if loc is not None}
-        if self.placement is None or self.placement.groups == 1:
-            return 0
         return share_packs(self.comm, self.placement, self.hot, packs)
 
     def load(self, ref: Any = "main", *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",

@@ -174,6 +174,21 @@ def test_conjugate_views_are_never_reused() -> None:
     _same_as_fresh(cache, st, sig=False)  # each flatten resolves into a new copy (another data pointer)
 
 
+def test_a_state_of_new_tensor_objects_every_save_keeps_no_record_then_a_repeated_one_does() -> None:
+    model = torch.nn.Linear(4, 3)
+    cache = FlattenCache()
+    cache.flatten({"model": model.state_dict()})  # the first save keeps a record, which the next one misses
+    for _ in range(3):  # state_dict() detaches anew each call: no record is built for nothing
+        fresh = {"model": model.state_dict()}  # alive while checked: a record would still be there
+        _same_as_fresh(cache, fresh)
+        assert cache._last is None
+    st = {"model": model.state_dict()}
+    cache.flatten(st)  # the same objects as the time before ...
+    cache.flatten(st)
+    assert cache._last is not None  # ... so the record is kept again
+    _same_as_fresh(cache, st)
+
+
 def test_the_cache_keeps_no_storage_alive_after_its_tensors_die() -> None:
     st = _state()
     cache = FlattenCache()

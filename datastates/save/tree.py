@@ -374,6 +374,9 @@ class FlattenCache:
 
     def __init__(self) -> None:
         self._last: _Flattened | None = None
+        self._probe: weakref.ref[torch.Tensor] | None = None
+        """The first tensor of the last state flattened: a state whose first tensor is a new object each
+        time (`model.state_dict()` detaches anew on every call) is not worth a kept record."""
 
     def flatten(self, state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
         """As `flatten`; raises what it raises."""
@@ -386,7 +389,12 @@ class FlattenCache:
         tree = f.flatten(state)
         _renumber(tree, f.tensor_rows)
         self._last = None
-        if _cacheable(tree):
+        first = f._tensors[0][1] if f._tensors else None
+        probe, self._probe = self._probe, (weakref.ref(first) if first is not None else None)
+        # Keep a record on the first save, and later only when the state holds the tensor objects it held
+        # the time before: building one costs ~a quarter of a flatten, which a fresh-object state pays for
+        # nothing on every save.
+        if (probe is None or probe() is first) and _cacheable(tree):
             tensors: list[torch.Tensor] = []
             # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
             if _walk(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
@@ -395,7 +403,7 @@ class FlattenCache:
 
     def clear(self) -> None:
         """Drop the kept flatten (and with it every reference to the state's storages)."""
-        self._last = None
+        self._last = self._probe = None
 
     def _forget(self, _ref: Any) -> None:
         self._last = None
