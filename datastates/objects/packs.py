@@ -42,7 +42,27 @@ def new_pack_id() -> str:
 
 
 _ALIGN = 4096
-_BOUNCE = 1 << 20
+_BOUNCE = 4 << 20
+"""Small chunks gather here and reach the disk in writes of this size (1 MiB writes ran at ~1.9 GB/s
+O_DIRECT on the dev VM, 8-32 MiB at ~2.8)."""
+_SPARES = 4
+_spare: list[np.ndarray] = []
+_spare_lock = threading.Lock()
+
+
+def _take_bounce() -> np.ndarray:
+    """A bounce buffer from the spares, or a new one: every pack of every save taking fresh pages cost ~20 ms
+    per 4 MiB on hosts that charge for touching new pages. A buffer is held by one writer at a time."""
+    with _spare_lock:
+        if _spare:
+            return _spare.pop()
+    return aligned_empty(_BOUNCE)
+
+
+def _give_bounce(buf: np.ndarray) -> None:
+    with _spare_lock:
+        if len(_spare) < _SPARES:
+            _spare.append(buf)
 
 
 def aligned_empty(nbytes: int) -> np.ndarray:
@@ -83,7 +103,7 @@ class PackWriter:
         self._entries: list[bytes] = []
         self.size = 0
         """Logical bytes so far (offset of the next chunk)."""
-        self._bounce = aligned_empty(_BOUNCE) if self.direct else None
+        self._bounce = _take_bounce() if self.direct else None
         self._bounce_view = self._bounce.data if self._bounce is not None else memoryview(b"")
         self._held = 0
         self._append(HEADER)
@@ -179,6 +199,7 @@ class PackWriter:
         except OSError as exc:
             self.abort()
             raise_full_or(exc, self.tmp)
+        self._release_bounce()
         os.close(self._fd)
         self._fd = -1
         os.rename(self.tmp, self.path)
@@ -189,7 +210,14 @@ class PackWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+        self._release_bounce()
         self.tmp.unlink(missing_ok=True)
+
+    def _release_bounce(self) -> None:
+        if self._bounce is not None:
+            _give_bounce(self._bounce)
+            self._bounce = None
+            self._bounce_view = memoryview(b"")
 
 
 def _address(view: memoryview) -> int:

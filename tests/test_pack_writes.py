@@ -1,0 +1,110 @@
+"""Pack writes: reused bounce buffers, and the pipeline hashing ahead of the writer (issue 13)."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import blake3
+import numpy as np
+import pytest
+import torch
+
+import datastates as ds
+from datastates.objects import packs
+from datastates.objects.chunks import CODEC_RAW
+from datastates.objects.packs import PackReader, PackWriter, read_index
+from datastates.save import pipeline
+
+WAIT = 60.0
+
+
+def _direct_or_skip(w: PackWriter) -> None:
+    if not w.direct:
+        w.abort()
+        pytest.skip("this file system refuses O_DIRECT: no bounce buffer is used")
+
+
+def test_a_sealed_pack_hands_its_bounce_buffer_to_the_next_pack(tmp_path: Path) -> None:
+    first = PackWriter(tmp_path)
+    _direct_or_skip(first)
+    buf = first._bounce
+    assert buf is not None
+    a = b"a" * 5000
+    first.add(blake3.blake3(a).digest(), a, len(a), CODEC_RAW)
+    first.seal()
+    assert first._bounce is None  # given back with the seal
+    second = PackWriter(tmp_path)
+    third = PackWriter(tmp_path)  # open at the same time as second: never the same buffer
+    assert second._bounce is buf
+    assert third._bounce is not buf
+    b = b"b" * 3000
+    second.add(blake3.blake3(b).digest(), b, len(b), CODEC_RAW)
+    second.seal()
+    third.abort()
+    # the reused buffer held a's bytes: b's pack holds b, and zeros (not a's leftovers) in its padding
+    reader = PackReader(tmp_path)
+    (cid, loc), = read_index(second.path)
+    assert cid == blake3.blake3(b).digest() and reader.read(loc) == b
+    raw = second.path.read_bytes()
+    assert raw[8:8 + 3000] == b and len(raw) == 8 + 3000 + 57 + 40  # header, b, one index entry, footer
+    reader.close()
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_an_aborted_pack_gives_its_bounce_buffer_back_once(tmp_path: Path) -> None:
+    w = PackWriter(tmp_path)
+    _direct_or_skip(w)
+    buf = w._bounce
+    w.abort()
+    w.abort()  # a second abort (the pipeline aborts every pack of a failed job) changes nothing
+    assert sum(x is buf for x in packs._spare) == 1
+    nxt = PackWriter(tmp_path)
+    assert nxt._bounce is buf
+    nxt.abort()
+    assert not list(tmp_path.iterdir())
+
+
+def test_spare_buffers_are_bounded(tmp_path: Path) -> None:
+    writers = [PackWriter(tmp_path) for _ in range(packs._SPARES + 3)]
+    _direct_or_skip(writers[0])
+    for w in writers:
+        w.abort()
+    assert len(packs._spare) == packs._SPARES
+
+
+def test_the_workers_hash_ahead_while_the_writer_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the writer held on the first slot, both workers go on hashing the next slots (one slot ahead made a
+    save run at one hashing core's speed); the version is then whole."""
+    chunk = 1 << 20
+    state = {f"t{i}": torch.full((chunk // 4,), float(i)) for i in range(6)}
+    hashed: list[int] = []
+    two_ahead = threading.Event()
+    release = threading.Event()
+    orig_hash, orig_write = pipeline._hash_slot, pipeline.Pipeline._write
+
+    def hash_slot(slot: Any, *a: Any, **k: Any) -> Any:
+        out = orig_hash(slot, *a, **k)
+        hashed.append(1)
+        if len(hashed) >= 3:
+            two_ahead.set()
+        return out
+
+    def write(self: Any, job: Any, slot: Any, fut: Any) -> None:
+        if not release.is_set():
+            fut.result()
+            assert two_ahead.wait(WAIT), "the next two slots were not hashed while the first was being written"
+            release.set()
+        orig_write(self, job, slot, fut)
+
+    monkeypatch.setattr(pipeline, "_hash_slot", hash_slot)
+    monkeypatch.setattr(pipeline.Pipeline, "_write", write)
+    with ds.Store.open(tmp_path / "s", chunk_size=chunk, workers=2) as s:
+        v = s.save(state)
+        assert release.is_set()
+        assert len(hashed) == 6  # one slot per 1 MiB tensor (read in place)
+        back = s.load(v)
+    for k, t in state.items():
+        assert torch.equal(back[k], t)
+    assert np.array_equal(back["t5"].numpy(), np.full(chunk // 4, 5.0, dtype=np.float32))
