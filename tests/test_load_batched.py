@@ -3,6 +3,7 @@ chunks stored back to back), verified, with per-chunk fallback. Asserts bytes, v
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,76 @@ def test_corrupt_hot_copy_is_repaired_from_cold(tmp_path: Path) -> None:
         assert hot_pack.read_bytes()[loc.offset] == data[loc.offset] ^ 0xFF  # the good copy is back on hot
     finally:
         store.close()
+
+
+def _big_state() -> dict[str, Any]:
+    """More than 8 MiB to read (the load hands verification to the store's reader threads), in two packs."""
+    st = _mixed_state()
+    g = torch.Generator().manual_seed(1)
+    for i in range(24):
+        st[f"layer.{i:02d}"] = torch.randn(131_072 + 7 * i, generator=g)  # ~512 KiB each, 2-3 chunks
+    return st
+
+
+def test_a_big_load_reads_in_one_thread_in_offset_order_and_verifies_on_the_workers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from datastates.objects import object_store
+
+    st = _big_state()
+    reads: list[tuple[str, int, int]] = []
+    hashed: list[str] = []
+    real_preadv, real_id = os.preadv, object_store.chunk_id
+
+    def preadv(fd: int, bufs: Any, offset: int) -> int:
+        reads.append((threading.current_thread().name, fd, offset))
+        return real_preadv(fd, bufs, offset)
+
+    def chunk_id(data: Any) -> bytes:
+        hashed.append(threading.current_thread().name)
+        return real_id(data)
+
+    with ds.Store.open(tmp_path / "s", chunk_size=256 << 10) as store:
+        store.save({k: t for k, t in st.items() if not k.startswith("layer.1")})
+        v = store.save(st)  # the layers saved before stay in the first pack
+        monkeypatch.setattr("os.preadv", preadv)
+        monkeypatch.setattr(object_store, "chunk_id", chunk_id)
+        got = store.load(v)
+    _equal(got, st)
+    assert reads and {name for name, _, _ in reads} == {threading.current_thread().name}
+    fds = {fd for _, fd, _ in reads}
+    assert len(fds) >= 2  # two packs at least
+    for fd in fds:  # each pack read front to back
+        offsets = [off for _, f, off in reads if f == fd]
+        assert offsets == sorted(offsets)
+    cids = {c for r in ds.Store.open(tmp_path / "s").manifest(v.manifests["0"]).rows for c in r.get("chunks") or []}
+    assert len(hashed) == len(cids)  # every chunk verified once (same_a/same_b share one)
+    assert all(name.startswith("datastates-read") for name in hashed)
+
+
+@pytest.mark.parametrize("tiers", ["hot-only", "with-cold"])
+def test_a_flipped_byte_in_a_big_load_is_named_or_repaired(tmp_path: Path, tiers: str) -> None:
+    st = _big_state()
+    cold = tiers == "with-cold"
+    kw: dict[str, Any] = {"hot": tmp_path / "hot"} if cold else {}
+    with ds.Store.open(tmp_path / "s", chunk_size=256 << 10, **kw) as store:
+        v = store.save(st)
+        if cold:
+            assert store.flush(timeout=60)
+        row = next(r for r in store.manifest(v.manifests["0"]).rows if r["key"] == "layer.11")
+        loc = store.catalog.chunk(row["chunks"][1])
+        assert loc is not None
+        path = (tmp_path / "hot" / "packs" / f"{loc.pack}.pack") if cold else store.tier.pack_path(loc.pack)
+        data = bytearray(path.read_bytes())
+        data[loc.offset + 9] ^= 0x01
+        path.write_bytes(bytes(data))
+        if cold:
+            _equal(store.load(v), st)
+            assert path.read_bytes()[loc.offset + 9] == data[loc.offset + 9] ^ 0x01  # good copy back on hot
+        else:
+            with pytest.raises(ds.IntegrityError, match="layer.11") as err:
+                store.load(v)
+            assert row["chunks"][1].hex()[:16] in str(err.value)
+            got = store.load(v, keys=["layer.10", "layer.12"])
+            assert torch.equal(got["layer.10"], st["layer.10"]) and torch.equal(got["layer.12"], st["layer.12"])

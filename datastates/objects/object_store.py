@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
 import blake3
@@ -255,8 +255,9 @@ class ObjectStore:
         straight into the destination arrays, in pack offset order, then each chunk is verified
         (blake3) unless verification is off. A run that fails in any way is read again chunk by
         chunk across tiers (fallback, repair, promotion), so the guarantees are those of
-        `read_chunks_into`. A chunk named twice is read once and copied. Runs go to `executor`
-        when there is one and more than 8 MiB to read. Raises NotFoundError, IntegrityError.
+        `read_chunks_into`. A chunk named twice is read once and copied. With an `executor` and more
+        than 8 MiB to read, this thread reads the runs in order and the executor verifies them (and
+        reads compressed chunks). Raises NotFoundError, IntegrityError.
         """
         cids_all = [c for cids, _, _ in items for c in cids]
         locs = self.index.chunks(cids_all)
@@ -297,34 +298,52 @@ class ObjectStore:
                 run_bytes = loc.length
         runs += [[r] for r in reads if r[1].codec != CODEC_RAW]
 
-        def read(run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> None:
-            if len(run) > 1 and self._read_views(run):
-                return
+        def slow(run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> None:
             for cid, loc, view, key in run:
                 self._read_chunk(cid, loc, view, key)
 
-        if executor is not None and len(runs) > 1 and sum(len(r[2]) for r in reads) > 8 << 20:
-            for _ in executor.map(read, runs):
-                pass
-        else:
+        def read(run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> None:
+            if not (run[0][1].codec == CODEC_RAW and self._read_views(run) and self._verified(run)):
+                slow(run)
+
+        if executor is None or sum(len(r[2]) for r in reads) <= 8 << 20:
             for run in runs:
                 read(run)
+        else:
+            # One thread reads, in pack and offset order, and the workers verify what it has read: the disk
+            # sees one sequential stream (two threads reading buffered runs at once made a cold 141 MiB load
+            # ~30 % slower than one), and hashing overlaps the reads.
+            checks: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]] = []
+            for run in runs:
+                if run[0][1].codec != CODEC_RAW:
+                    checks.append((run, executor.submit(read, run)))
+                elif not self._read_views(run):
+                    slow(run)
+                else:
+                    checks.append((run, executor.submit(self._verified, run)))
+            for run, fut in checks:
+                if fut.result() is False:
+                    slow(run)
         for src, dst in copies:
             dst[:] = src
 
     def _read_views(self, run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> bool:
-        """One `preadv` of a run of raw chunks stored back to back in one hot pack into their views,
-        then verify each; False (nothing trusted) if any part fails."""
+        """One `preadv` of raw chunks stored back to back in one hot pack into their views; False (nothing
+        trusted) if it fails."""
         first = run[0][1]
         try:
             self.hot.reader.readv_into(first.pack, first.offset, [view for _, _, view, _ in run])
         except (NotFoundError, IntegrityError, OSError):
             return False
+        return True
+
+    def _verified(self, run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> bool:
+        """Whether every chunk of a run read by `_read_views` has its id (always, with verification off)."""
         if self.verify:
             for cid, _, view, _ in run:
                 if chunk_id(view) != cid:
                     return False
-        self.touch(first.pack)
+        self.touch(run[0][1].pack)
         return True
 
     def _read_run(self, run: list[tuple[bytes, ChunkLocation]], out: memoryview) -> bool:
