@@ -75,10 +75,13 @@ def test_spare_buffers_are_bounded(tmp_path: Path) -> None:
 
 
 def test_the_workers_hash_ahead_while_the_writer_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the writer held on the first slot, both workers go on hashing the next slots (one slot ahead made a
-    save run at one hashing core's speed); the version is then whole."""
+    """With the writer held on the first slot, the workers go on hashing every later slot within the window's
+    bytes (one slot ahead made a save run at one hashing core's speed); the version is then whole. The 4 MiB
+    tensor, read in place, is one slot per chunk, so its chunks spread over the workers."""
     chunk = 1 << 20
-    state = {f"t{i}": torch.full((chunk // 4,), float(i)) for i in range(6)}
+    state = {f"t{i}": torch.full((chunk // 4,), float(i)) for i in range(2)}
+    state["big"] = torch.arange(chunk, dtype=torch.float32)  # 4 chunks
+    pieces: list[int] = []
     hashed: list[int] = []
     two_ahead = threading.Event()
     release = threading.Event()
@@ -86,15 +89,16 @@ def test_the_workers_hash_ahead_while_the_writer_writes(tmp_path: Path, monkeypa
 
     def hash_slot(slot: Any, *a: Any, **k: Any) -> Any:
         out = orig_hash(slot, *a, **k)
+        pieces.append(len(slot.pieces))
         hashed.append(1)
-        if len(hashed) >= 3:
+        if len(hashed) == 6:
             two_ahead.set()
         return out
 
     def write(self: Any, job: Any, slot: Any, fut: Any) -> None:
         if not release.is_set():
             fut.result()
-            assert two_ahead.wait(WAIT), "the next two slots were not hashed while the first was being written"
+            assert two_ahead.wait(WAIT), "the later slots were not hashed while the first was being written"
             release.set()
         orig_write(self, job, slot, fut)
 
@@ -103,8 +107,10 @@ def test_the_workers_hash_ahead_while_the_writer_writes(tmp_path: Path, monkeypa
     with ds.Store.open(tmp_path / "s", chunk_size=chunk, workers=2) as s:
         v = s.save(state)
         assert release.is_set()
-        assert len(hashed) == 6  # one slot per 1 MiB tensor (read in place)
+        assert pieces == [1] * 6  # one slot per chunk of the tensors read in place
         back = s.load(v)
+        rows = {r["key"]: r for r in s.manifest(v.manifests["0"]).rows}
+        assert len(rows["big"]["chunks"]) == 4
     for k, t in state.items():
         assert torch.equal(back[k], t)
-    assert np.array_equal(back["t5"].numpy(), np.full(chunk // 4, 5.0, dtype=np.float32))
+    assert np.array_equal(back["big"].numpy(), np.arange(chunk, dtype=np.float32))

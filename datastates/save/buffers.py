@@ -32,6 +32,7 @@ class Slot:
     buf: torch.Tensor
     pieces: list[Piece] = field(default_factory=list)
     used: int = 0
+    """Bytes of `buf` filled so far (a borrowed slot: the bytes of its one piece)."""
     event: Any = None
     borrowed: bool = False
     """`buf` is the caller's own tensor bytes (a synchronous save reads them in place): never pooled."""

@@ -71,9 +71,10 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
             on_gpu = src.is_cuda  # not device.type: a new str per tensor
             nbytes = e.nbytes
             if borrow and not on_gpu and nbytes >= BORROW_MIN and src.is_contiguous():
-                lent = Slot(src, [Piece(row, a, b - a) for a, b in spans(nbytes, job.chunk_size)], nbytes,
-                            borrowed=True)
-                _hand_over(job, lent, None)
+                # A slot per chunk: a slot is hashed by one worker, and a big tensor's chunks should spread
+                # over all of them.
+                for a, b in spans(nbytes, job.chunk_size):
+                    _hand_over(job, Slot(src, [Piece(row, a, b - a)], b - a, borrowed=True), None)
                 continue
             for a, b in ((0, nbytes),) if nbytes <= job.chunk_size else spans(nbytes, job.chunk_size):
                 n = b - a
