@@ -191,3 +191,29 @@ def test_a_flipped_byte_in_a_big_load_is_named_or_repaired(tmp_path: Path, tiers
             assert row["chunks"][1].hex()[:16] in str(err.value)
             got = store.load(v, keys=["layer.10", "layer.12"])
             assert torch.equal(got["layer.10"], st["layer.10"]) and torch.equal(got["layer.12"], st["layer.12"])
+
+
+def test_a_big_load_from_cold_only_reads_on_the_reader_threads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hot lost (a restart on a fresh node): every chunk comes from cold, read and verified on the store's reader
+    threads (a parallel file system serves concurrent reads better), and the load is bit-exact."""
+    import shutil
+    import threading
+
+    st = _big_state()
+    with ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot", chunk_size=256 << 10, promote=False) as store:
+        v = store.save(st)
+        assert store.flush(timeout=60)
+    shutil.rmtree(tmp_path / "hot")
+    names: list[str] = []
+    real = os.preadv
+
+    def preadv(fd: int, bufs: Any, offset: int) -> int:
+        names.append(threading.current_thread().name)
+        return real(fd, bufs, offset)
+
+    with ds.Store.open(tmp_path / "cold", promote=False) as store:
+        monkeypatch.setattr("os.preadv", preadv)
+        got = store.load(v)
+    _equal(got, st)
+    assert names and all(n.startswith("datastates-read") for n in names)
+    assert not list((tmp_path / "hot" / "packs").glob("*.pack"))  # nothing promoted

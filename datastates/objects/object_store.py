@@ -256,8 +256,8 @@ class ObjectStore:
         (blake3) unless verification is off. A run that fails in any way is read again chunk by
         chunk across tiers (fallback, repair, promotion), so the guarantees are those of
         `read_chunks_into`. A chunk named twice is read once and copied. With an `executor` and more
-        than 8 MiB to read, this thread reads the runs in order and the executor verifies them (and
-        reads compressed chunks). Raises NotFoundError, IntegrityError.
+        than 8 MiB to read, this thread reads the runs on hot in order and the executor verifies them
+        (and reads compressed chunks and chunks found only on cold). Raises NotFoundError, IntegrityError.
         """
         cids_all = [c for cids, _, _ in items for c in cids]
         locs = self.index.chunks(cids_all)
@@ -315,12 +315,10 @@ class ObjectStore:
             # ~30 % slower than one), and hashing overlaps the reads.
             checks: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]] = []
             for run in runs:
-                if run[0][1].codec != CODEC_RAW:
-                    checks.append((run, executor.submit(read, run)))
-                elif not self._read_views(run):
-                    slow(run)
-                else:
+                if run[0][1].codec == CODEC_RAW and self._read_views(run):
                     checks.append((run, executor.submit(self._verified, run)))
+                else:  # compressed, or not on hot (cold reads, on a parallel file system, gain from company)
+                    checks.append((run, executor.submit(slow, run)))
             for run, fut in checks:
                 if fut.result() is False:
                     slow(run)
