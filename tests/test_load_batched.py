@@ -217,3 +217,36 @@ def test_a_big_load_from_cold_only_reads_on_the_reader_threads(tmp_path: Path, m
     _equal(got, st)
     assert names and all(n.startswith("datastates-read") for n in names)
     assert not list((tmp_path / "hot" / "packs").glob("*.pack"))  # nothing promoted
+
+
+def test_load_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> None:
+    """A load of thousands of small tensors runs with the cyclic collector off (its collections took half of the
+    caller's CPU); it comes back on after, and a collector the caller disabled stays disabled."""
+    import gc
+
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    st = {f"t{i}": torch.full((4,), float(i)) for i in range(3000)}
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save(st)
+        store.load(v)  # warm: the manifest cache
+        gc.collect()
+        gc.callbacks.append(seen)
+        try:
+            collections.clear()
+            got = store.load(v)  # ~10,000 allocations: a dozen collections unpaused
+            assert len(collections) <= 1  # at most the one that falls due as the collector comes back
+            assert gc.isenabled()
+            gc.disable()
+            try:
+                again = store.load(v, keys=["t7"])
+                assert not gc.isenabled()
+            finally:
+                gc.enable()
+        finally:
+            gc.callbacks.remove(seen)
+    assert len(got) == 3000 and torch.equal(got["t2999"], st["t2999"]) and torch.equal(again["t7"], st["t7"])

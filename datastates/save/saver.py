@@ -8,16 +8,16 @@ waits for) and hands it to the pipeline, whose last stage calls the store's comm
 from __future__ import annotations
 
 import atexit
-import gc
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
+from ..base.collector import paused
 from ..base.comm import Comm
 from ..objects.packs import PackWriter
 from .buffers import BufferPool
@@ -26,36 +26,6 @@ from .collective import plan
 from .job import Reused, SaveHandle, SaveJob
 from .pipeline import Pipeline
 from .tree import FlattenCache
-
-_gc_lock = threading.Lock()
-_gc_depth = 0
-_gc_was_enabled = False
-
-
-@contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while the caller's part of a save runs (flatten + capture).
-
-    Collections triggered by a save's allocations took ~30 % of the CPU of a sync save of 8,000 small
-    tensors (docs/perf-notes.md), each one walking every object of the process. Reference counting still
-    frees everything a save allocates. Nested and concurrent uses share one pause; the last one out
-    restores the collector's state as the first one in found it (a collector the caller had disabled
-    stays disabled). Deliberately not held until a sync save is durable: the collection that falls due
-    would then run between the commit and the return, and a kill there leaves a committed version the
-    caller never heard of (tests/test_crash.py caught exactly that)."""
-    global _gc_depth, _gc_was_enabled
-    with _gc_lock:
-        if _gc_depth == 0:
-            _gc_was_enabled = gc.isenabled()
-            gc.disable()
-        _gc_depth += 1
-    try:
-        yield
-    finally:
-        with _gc_lock:
-            _gc_depth -= 1
-            if _gc_depth == 0 and _gc_was_enabled:
-                gc.enable()
 
 
 class Saver:
@@ -84,7 +54,11 @@ class Saver:
         rank must call it, in the same order. Raises UnsupportedValueError (from flatten), and for a
         collective save InvalidArgumentError when the replicated entries differ across ranks, before
         anything is queued."""
-        with gc_paused():  # flatten and capture allocate ~10 objects per tensor
+        # Flatten and capture allocate ~10 objects per tensor: collections took ~30 % of the CPU of a sync save
+        # of 8,000 small tensors (docs/perf-notes.md). Deliberately not held until a sync save is durable: the
+        # collection that falls due would then run between the commit and the return, and a kill there leaves a
+        # committed version the caller never heard of (tests/test_crash.py caught exactly that).
+        with paused():
             return self._submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
                                 reuse_unchanged=reuse_unchanged, overlap=overlap, t_call=t_call, comm=comm,
                                 replicated=replicated)
