@@ -42,17 +42,18 @@ def new_pack_id() -> str:
 
 
 _ALIGN = 4096
-_BOUNCE = 4 << 20
-"""Small chunks gather here and reach the disk in writes of this size (1 MiB writes ran at ~1.9 GB/s
-O_DIRECT on the dev VM, 8-32 MiB at ~2.8)."""
-_SPARES = 4
+_BOUNCE = 2 << 20
+"""Small chunks gather here and reach the disk in writes of this size. 280 MiB in O_DIRECT writes on the
+dev VM: 0.143-0.171 s in 1 MiB writes, 0.134-0.143 in 2 MiB, 0.131-0.137 in 4 MiB; each MiB more is a MiB
+more of peak RSS per open pack (`datastates bench --rss`, `small`, has ~1 MiB of slack)."""
+_SPARES = 2
 _spare: list[np.ndarray] = []
 _spare_lock = threading.Lock()
 
 
 def _take_bounce() -> np.ndarray:
-    """A bounce buffer from the spares, or a new one: every pack of every save taking fresh pages cost ~20 ms
-    per 4 MiB on hosts that charge for touching new pages. A buffer is held by one writer at a time."""
+    """A bounce buffer from the spares, or a new one: every pack of every save taking fresh pages cost ~10 ms
+    per 2 MiB on hosts that charge for touching new pages. A buffer is held by one writer at a time."""
     with _spare_lock:
         if _spare:
             return _spare.pop()
