@@ -324,6 +324,9 @@ class _Flattened:
     def __init__(self, tree: dict[str, Any], f: Flattener, tensors: list[torch.Tensor],
                  on_death: Callable[[Any], None]) -> None:
         self.tree = tree
+        self.plans: dict[Any, Any] = {}
+        """What later steps derive from this flatten alone and keep with it (`capture`'s slot layouts):
+        valid for every save this record serves, dropped with it."""
         self.refs = [weakref.ref(t, on_death) for t in tensors]
         self.sigs = [_tensor_sig(t) for t in tensors]
         tensor_of = {row: i for i, row in enumerate(f.tensor_rows)}
@@ -340,6 +343,9 @@ class _Flattened:
             template = TensorEntry(e.key, e.dtype, e.shape, e.device, e.kind, base=e.base, offset=e.offset,
                                    stride=e.stride, nbytes=e.nbytes)
             self.rows.append((template, i, src))
+        self.own_sources = all(src is not None for tpl, _, src in self.rows if tpl.kind in ("tensor", "storage"))
+        """Every stored row reads through a byte view this record keeps (no contiguous copy made per save):
+        each save's rows have the very same sources, so `plans` may hold them."""
 
     def reuse(self, state: Any) -> tuple[dict[str, Any], list[TensorEntry]] | None:
         """The skeleton and fresh rows of `state` if it holds the same tensors as this flatten, in the same
@@ -380,11 +386,18 @@ class FlattenCache:
 
     def flatten(self, state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
         """As `flatten`; raises what it raises."""
+        tree, entries, _ = self.flatten_kept(state, allow_pickle)
+        return tree, entries
+
+    def flatten_kept(self, state: Any, allow_pickle: bool = False
+                     ) -> tuple[dict[str, Any], list[TensorEntry], dict[Any, Any] | None]:
+        """As `flatten`, plus on a reuse whose rows read only byte views the record keeps, the record's
+        `plans` (kept layouts that name those views); None otherwise. Raises what `flatten` raises."""
         last = self._last
         if last is not None:
             hit = last.reuse(state)
             if hit is not None:
-                return hit
+                return hit[0], hit[1], last.plans if last.own_sources else None
         f = Flattener(allow_pickle)
         tree = f.flatten(state)
         _renumber(tree, f.tensor_rows)
@@ -399,7 +412,7 @@ class FlattenCache:
             # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
             if _walk(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
                 self._last = _Flattened(tree, f, tensors, self._forget)
-        return tree, f.entries
+        return tree, f.entries, None
 
     def clear(self) -> None:
         """Drop the kept flatten (and with it every reference to the state's storages)."""
