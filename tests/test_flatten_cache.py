@@ -323,3 +323,33 @@ def test_reuse_unchanged_drops_the_kept_layout_for_a_save_that_skips_rows(tmp_pa
         with torch.no_grad():
             st["t"].add_(4)
         assert _equal(store.load(store.save(st)), st)  # and the kept layout copies every row again
+
+
+def test_an_empty_tensor_keeps_the_layout_and_every_save_loads_back(tmp_path: Path) -> None:
+    st = {"empty": torch.empty(0), "w": torch.ones(5), "steps": torch.zeros(0, 3, dtype=torch.int64)}
+    cache = FlattenCache()
+    cache.flatten_kept(st)
+    assert cache.flatten_kept(st)[2] is not None  # an empty tensor reads no memory: nothing to copy anew
+    with ds.Store.open(tmp_path / "s") as store:
+        for _ in range(3):
+            st["w"].add_(1)
+            assert _equal(store.load(store.save_async(st).result()), st)
+
+
+def test_known_stats_are_looked_up_when_asked_and_only_for_one_chunk_of_the_same_dtype() -> None:
+    from datastates.save.job import KnownStats
+
+    rows = [TensorEntry("a", torch.float32, (4,), "cpu", "tensor"), TensorEntry("b", torch.float32, (4,), "cpu",
+            "tensor"), TensorEntry("a", torch.float32, (4,), "cpu", "alias", base=0)]
+    last: dict[str, Any] = {}
+    known = KnownStats(rows, last, 1024)
+    assert known.get(0) is None
+    rec = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"x" * 32], {"mean": 1.0}, 1024)
+    last["a"] = rec  # committed after the job was made: seen, the stats are those of the bytes the id names
+    assert known.get(0) is rec and known.get(2) is None and known.get(1) is None
+    last["b"] = ((0, 1, torch.float64, (4,), (1,), "cpu"), [b"y" * 32], {}, 1024)  # another dtype
+    assert known.get(1) is None
+    last["b"] = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32, b"z" * 32], {}, 1024)  # two chunks
+    assert known.get(1) is None
+    last["b"] = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32], {}, 2048)  # another chunk size
+    assert known.get(1) is None

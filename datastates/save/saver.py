@@ -23,7 +23,7 @@ from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, capture
 from .collective import plan
-from .job import Reused, SaveHandle, SaveJob
+from .job import KnownStats, Reused, SaveHandle, SaveJob
 from .pipeline import Pipeline
 from .tree import FlattenCache
 
@@ -99,10 +99,10 @@ class Saver:
                       ticket=self._capture_order.ticket(), dist=dist)
         if dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
             plans = None  # rows without their source now: a kept layout would copy them
-        self._known_stats(job)
+        job.known_stats = KnownStats(entries, self.last_saved, self.chunk_size)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
-        stream = self._stream_for(entries)
+        stream = None if plans is not None else self._stream_for(entries)  # kept layouts are host-only
         self.pipeline.submit(job)
         if lazy:
             if optimizer is not None:
@@ -122,18 +122,6 @@ class Saver:
         for e in job.entries:
             if e.kind == "tensor" and e.sig is not None:
                 last_saved[e.key] = (e.sig, e.chunks, e.stats, chunk_size)
-
-    def _known_stats(self, job: SaveJob) -> None:
-        """Offer the pipeline the stats of each single-chunk tensor as last saved under its key with the
-        same dtype and chunk size: same chunk id (blake3 of the bytes) + same dtype = same statistics,
-        so a partly changed state pays for the statistics of its changed tensors only."""
-        last_saved = self.last_saved
-        for row, e in enumerate(job.entries):
-            if e.kind != "tensor" or e.source is None:
-                continue
-            last = last_saved.get(e.key)
-            if last is not None and len(last[1]) == 1 and last[3] == job.chunk_size and last[0][2] == e.dtype:
-                job.known_stats[row] = last
 
     def _reuse_unchanged(self, job: SaveJob) -> bool:
         """Point untouched tensors at the chunks and stats this store saved for them last time; True if any."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import operator
 import pickle
 import weakref
 from collections import OrderedDict
@@ -41,9 +42,10 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise UnsupportedValueError(f"dtype {name!r} is unknown to torch {torch.__version__}; upgrade torch") from None
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorEntry:
-    """One manifest row while saving."""
+    """One manifest row while saving. Slotted: thousands are made per save, and each object the collector
+    tracks costs it time."""
 
     key: str
     dtype: torch.dtype
@@ -330,22 +332,38 @@ class _Flattened:
         self.refs = [weakref.ref(t, on_death) for t in tensors]
         self.sigs = [_tensor_sig(t) for t in tensors]
         tensor_of = {row: i for i, row in enumerate(f.tensor_rows)}
-        self.rows: list[tuple[TensorEntry, int, torch.Tensor | None]] = []
+        # The rows as columns, so a reuse builds its fresh rows with one `map` (no Python loop per row).
+        self.columns: list[list[Any]] = [[], [], [], [], [], [], [], [], [], []]
+        self.copied: list[tuple[int, int]] = []
+        """(row, tensor) of the 'tensor' rows whose bytes are a contiguous copy, made again on every save."""
+        self.signed: list[int] = []
+        """The 'tensor' rows (each gets a fresh `sig`), and the tensor each one stores, in `sig_of`."""
+        self.sig_of: list[int] = []
         for row, e in enumerate(f.entries):
-            i = tensor_of.get(row, -1)
             src = e.source
             if e.kind == "tensor":
                 assert src is not None
+                i = tensor_of[row]
                 t = tensors[i]
-                # A byte view is reused only if it reads the tensor's own memory (not a contiguous copy).
-                if not (src.numel() and src.data_ptr() == t.data_ptr()):
+                # A byte view is reused only if it reads the tensor's own memory (not a contiguous copy); an
+                # empty one reads nothing.
+                if src.numel() and src.data_ptr() != t.data_ptr():
                     src = None
-            template = TensorEntry(e.key, e.dtype, e.shape, e.device, e.kind, base=e.base, offset=e.offset,
-                                   stride=e.stride, nbytes=e.nbytes)
-            self.rows.append((template, i, src))
-        self.own_sources = all(src is not None for tpl, _, src in self.rows if tpl.kind in ("tensor", "storage"))
+                    self.copied.append((row, i))
+                self.signed.append(row)
+                self.sig_of.append(i)
+            elif e.kind != "storage":
+                src = None
+            for col, v in zip(self.columns, (e.key, e.dtype, e.shape, e.device, e.kind, src, e.base, e.offset,
+                                             e.stride, e.nbytes)):
+                col.append(v)
+        self._sig_cols = [[self.sigs[i][1] for i in self.sig_of]] + [
+            [self.columns[c][row] for row in self.signed] for c in (1, 2)] + [
+            [self.sigs[i][4] for i in self.sig_of], [self.columns[3][row] for row in self.signed]]
+        self.own_sources = not self.copied
         """Every stored row reads through a byte view this record keeps (no contiguous copy made per save):
         each save's rows have the very same sources, so `plans` may hold them."""
+        self.host_only = all(d == "cpu" for d in self.columns[3])
 
     def reuse(self, state: Any) -> tuple[dict[str, Any], list[TensorEntry]] | None:
         """The skeleton and fresh rows of `state` if it holds the same tensors as this flatten, in the same
@@ -354,22 +372,23 @@ class _Flattened:
         tree = _walk(state, self.tree, tensors)
         if tree is None or len(tensors) != len(self.refs):
             return None
-        for t, ref, sig in zip(tensors, self.refs, self.sigs):
-            if ref() is not t or _tensor_sig(t) != sig:
-                return None
-        entries = []
-        for tpl, i, src in self.rows:
-            e = TensorEntry(tpl.key, tpl.dtype, tpl.shape, tpl.device, tpl.kind, base=tpl.base, offset=tpl.offset,
-                            stride=tpl.stride, nbytes=tpl.nbytes)
-            if tpl.kind == "tensor":
-                t = tensors[i]
-                e.source = src if src is not None else _bytes_of(t)
-                sig = self.sigs[i]
-                e.sig = (sig[1], t._version, tpl.dtype, tpl.shape, sig[4], tpl.device)
-            elif tpl.kind == "storage":
-                e.source = src
-            entries.append(e)
+        if not all(map(operator.is_, map(_deref, self.refs), tensors)):
+            return None
+        if list(map(_tensor_sig, tensors)) != self.sigs:
+            return None
+        entries = list(map(TensorEntry, *self.columns))
+        for row, i in self.copied:
+            entries[row].source = _bytes_of(tensors[i])
+        signed = [tensors[i] for i in self.sig_of]
+        ptrs, dtypes, shapes, strides, devices = self._sig_cols
+        # sig: (data_ptr, version counter, dtype, shape, stride, device), as `Flattener._add_tensor` makes it
+        for row, sig in zip(self.signed, zip(ptrs, map(_version_of, signed), dtypes, shapes, strides, devices)):
+            entries[row].sig = sig
         return tree, entries
+
+
+_deref = weakref.ref.__call__
+_version_of = operator.attrgetter("_version")
 
 
 class FlattenCache:
@@ -391,13 +410,14 @@ class FlattenCache:
 
     def flatten_kept(self, state: Any, allow_pickle: bool = False
                      ) -> tuple[dict[str, Any], list[TensorEntry], dict[Any, Any] | None]:
-        """As `flatten`, plus on a reuse whose rows read only byte views the record keeps, the record's
-        `plans` (kept layouts that name those views); None otherwise. Raises what `flatten` raises."""
+        """As `flatten`, plus on a reuse whose rows are all on the host and read only byte views the record
+        keeps, the record's `plans` (kept layouts that name those views); None otherwise. Raises what
+        `flatten` raises."""
         last = self._last
         if last is not None:
             hit = last.reuse(state)
             if hit is not None:
-                return hit[0], hit[1], last.plans if last.own_sources else None
+                return hit[0], hit[1], last.plans if last.own_sources and last.host_only else None
         f = Flattener(allow_pickle)
         tree = f.flatten(state)
         _renumber(tree, f.tensor_rows)
