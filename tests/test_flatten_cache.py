@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import datastates as ds
+from datastates.save import capture as capture_mod
 from datastates.save import tree as tree_mod
 from datastates.save.tree import FlattenCache, TensorEntry, flatten
 
@@ -219,3 +220,136 @@ def test_saves_of_a_changing_state_load_back_exactly(tmp_path: Path) -> None:
     assert back3["model"]["tied"].untyped_storage().data_ptr() != back3["model"]["b"].untyped_storage().data_ptr()
     assert isinstance(back3["model"]["w"], torch.nn.Parameter)
     assert torch.equal(back3["t"], st["t"])
+
+
+def _equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+                and torch.equal(a.detach(), b.detach()))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
+def _contiguous_state() -> dict[str, Any]:
+    st = _state()
+    st["t"] = st["t"].contiguous()  # every row reads the tensor's own memory: the layout may be kept
+    return st
+
+
+class _CountingPlans:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        real = capture_mod.plan
+
+        def counted(*args: Any, **kw: Any) -> Any:
+            self.n += 1
+            return real(*args, **kw)
+
+        monkeypatch.setattr(capture_mod, "plan", counted)
+
+
+def test_a_repeated_capture_reuses_its_slot_layout_and_copies_the_new_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 300 tensors of odd sizes (alignment padding between pieces) through a 2-slot pool of 1 MiB slots.
+    st = {f"p{i}": torch.full((1 + (i * 37) % 4000,), float(i)) for i in range(300)}
+    plans = _CountingPlans(monkeypatch)
+    with ds.Store.open(tmp_path / "s", pool_bytes=2 * 2**20) as store:
+        handles, expected = [], []
+        for _ in range(4):
+            handles.append(store.save_async(st))
+            expected.append({k: v.clone() for k, v in st.items()})
+            for v in st.values():
+                v.add_(1)  # right after save_async returns: the save must keep the bytes of the call
+        backs = [store.load(h.result()) for h in handles]
+    # first save: a fresh flatten (no kept layout); second: laid out and kept; then reused
+    assert plans.n == 2
+    assert all(_equal(b, e) for b, e in zip(backs, expected))
+
+
+def test_a_strided_tensor_keeps_no_layout_and_each_save_reads_its_new_values(tmp_path: Path) -> None:
+    st = _state()  # "t" is a transposed view: its bytes are a contiguous copy made on every save
+    cache = FlattenCache()
+    cache.flatten_kept(st)
+    assert cache.flatten_kept(st)[2] is None
+    st2 = _contiguous_state()
+    cache.flatten_kept(st2)  # other tensor objects than the time before: no record yet
+    cache.flatten_kept(st2)
+    assert cache.flatten_kept(st2)[2] is not None
+    with ds.Store.open(tmp_path / "s") as store:
+        for _ in range(3):
+            with torch.no_grad():
+                st["t"].mul_(3)
+            assert _equal(store.load(store.save(st)), st)
+
+
+@pytest.mark.parametrize("mutate", [
+    _tie, _set_storage, _set_same_storage_other_view, _set_onto_other_tensor, _resize_smaller, _resize_bigger,
+    _dtype_in_place, _requires_grad, _replace_tensor, _add_key, _remove_key, _rename_key, _int_key_becomes_bool,
+    _tuple_becomes_list, _transpose_in_place,
+])
+@pytest.mark.parametrize("sync", [True, False], ids=["save", "save_async"])
+def test_a_changed_state_is_not_captured_through_a_kept_layout(tmp_path: Path, mutate: Mutation, sync: bool) -> None:
+    st = _contiguous_state()
+    with ds.Store.open(tmp_path / "s") as store:
+        def save() -> Any:
+            return store.save(st) if sync else store.save_async(st).result()
+
+        save()
+        save()  # the layout is kept now
+        with torch.no_grad():
+            st["model"]["w"].add_(1)
+        assert _equal(store.load(save()), st)
+        mutate(st)
+        assert _equal(store.load(save()), st)
+        with torch.no_grad():
+            for t in (st["model"].get("b"), st["model"]["w"]):
+                if t is not None:
+                    t.add_(2)
+        assert _equal(store.load(save()), st)  # the new structure's layout, kept in turn
+
+
+def test_reuse_unchanged_drops_the_kept_layout_for_a_save_that_skips_rows(tmp_path: Path) -> None:
+    st = _contiguous_state()
+    with ds.Store.open(tmp_path / "s") as store:
+        store.save(st, reuse_unchanged=True)
+        store.save(st, reuse_unchanged=True)  # nothing changed: every row is reused, nothing copied
+        with torch.no_grad():
+            st["model"]["b"].add_(4)
+        back = store.load(store.save(st, reuse_unchanged=True))
+        assert _equal(back, st)
+        with torch.no_grad():
+            st["t"].add_(4)
+        assert _equal(store.load(store.save(st)), st)  # and the kept layout copies every row again
+
+
+def test_an_empty_tensor_keeps_the_layout_and_every_save_loads_back(tmp_path: Path) -> None:
+    st = {"empty": torch.empty(0), "w": torch.ones(5), "steps": torch.zeros(0, 3, dtype=torch.int64)}
+    cache = FlattenCache()
+    cache.flatten_kept(st)
+    assert cache.flatten_kept(st)[2] is not None  # an empty tensor reads no memory: nothing to copy anew
+    with ds.Store.open(tmp_path / "s") as store:
+        for _ in range(3):
+            st["w"].add_(1)
+            assert _equal(store.load(store.save_async(st).result()), st)
+
+
+def test_known_stats_are_looked_up_when_asked_and_only_for_one_chunk_of_the_same_dtype() -> None:
+    from datastates.save.job import KnownStats
+
+    rows = [TensorEntry("a", torch.float32, (4,), "cpu", "tensor"), TensorEntry("b", torch.float32, (4,), "cpu",
+            "tensor"), TensorEntry("a", torch.float32, (4,), "cpu", "alias", base=0)]
+    last: dict[str, Any] = {}
+    known = KnownStats(rows, last, 1024)
+    assert known.get(0) is None
+    rec = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"x" * 32], {"mean": 1.0}, 1024)
+    last["a"] = rec  # committed after the job was made: seen, the stats are those of the bytes the id names
+    assert known.get(0) is rec and known.get(2) is None and known.get(1) is None
+    last["b"] = ((0, 1, torch.float64, (4,), (1,), "cpu"), [b"y" * 32], {}, 1024)  # another dtype
+    assert known.get(1) is None
+    last["b"] = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32, b"z" * 32], {}, 1024)  # two chunks
+    assert known.get(1) is None
+    last["b"] = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32], {}, 2048)  # another chunk size
+    assert known.get(1) is None

@@ -93,6 +93,28 @@ class SaveHandle:
         self._done.set()
 
 
+class KnownStats:
+    """Row -> what a store last saved under the row's key (`Reused`: one chunk id, stats) for a single-chunk
+    tensor of the same dtype and chunk size: a piece that hashes to that id has those stats, so they are not
+    computed again. Looked up when a hashing worker asks, off the caller's thread, in the saver's own record
+    (no copy, no object per row); a record committed after this save was submitted serves as well, since the
+    stats are those of the bytes the chunk id names."""
+
+    __slots__ = ("_entries", "_last_saved", "_chunk_size")
+
+    def __init__(self, entries: list[TensorEntry], last_saved: dict[str, Reused], chunk_size: int) -> None:
+        self._entries, self._last_saved, self._chunk_size = entries, last_saved, chunk_size
+
+    def get(self, row: int) -> Reused | None:
+        e = self._entries[row]
+        if e.kind != "tensor":
+            return None
+        last = self._last_saved.get(e.key)
+        if last is not None and len(last[1]) == 1 and last[3] == self._chunk_size and last[0][2] == e.dtype:
+            return last
+        return None
+
+
 @dataclass
 class SaveJob:
     """One save moving through the pipeline."""
@@ -122,9 +144,7 @@ class SaveJob:
     """For a collective save: its `save.collective.DistPlan` (None on one process)."""
     failure: BaseException | None = None
     """A collective save's own failure, carried to the commit so every rank hears of it."""
-    known_stats: dict[int, Reused] = field(default_factory=dict)
-    """Row -> what this store last saved under the row's key (`Reused`: one chunk id, stats) for a single-chunk
-    tensor of the same dtype: a piece that hashes to that id has those stats, so they are not computed again.
-    The saver's own record, not a copy: no new object per row."""
+    known_stats: KnownStats | None = None
+    """What this store last saved under each row's key, asked for by the hashing workers (see `KnownStats`)."""
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""

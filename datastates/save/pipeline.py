@@ -26,7 +26,7 @@ import torch
 from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
 from .buffers import BufferPool, Piece, Slot
-from .job import Reused, SaveJob
+from .job import KnownStats, SaveJob
 from .stats import BATCHED_DTYPES, Partial, partial, partial_many
 from .tree import TensorEntry
 
@@ -43,7 +43,7 @@ Hashed = list[tuple[bytes, Stats, bytes | None]]
 
 def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
                has_chunks: Callable[[list[bytes]], list[bool]] | None = None,
-               known: dict[int, Reused] | None = None) -> Hashed:
+               known: KnownStats | None = None) -> Hashed:
     if slot.event is not None:
         slot.event.synchronize()
     out = []
@@ -66,7 +66,7 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
 
 
 def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
-                known: dict[int, Reused] | None) -> list[Stats]:
+                known: KnownStats | None) -> list[Stats]:
     """The statistics of each piece of `slot`: known from an earlier save of the same bytes, or computed; runs
     of equal, adjacent pieces of one float dtype (thousands of small tensors) are summarized together."""
     out: list[Stats] = [None] * len(slot.pieces)
@@ -89,7 +89,7 @@ def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
         e = entries[p.row]
         if e.kind != "tensor":
             continue
-        k = known.get(p.row) if known else None
+        k = known.get(p.row) if known is not None else None
         if k is not None and k[1][0] == cid and p.length == e.nbytes:
             out[i] = k[2]
             continue

@@ -23,7 +23,7 @@ from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, capture
 from .collective import plan
-from .job import Reused, SaveHandle, SaveJob
+from .job import KnownStats, Reused, SaveHandle, SaveJob
 from .pipeline import Pipeline
 from .tree import FlattenCache
 
@@ -66,26 +66,26 @@ class Saver:
     def _submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                 optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
                 t_call: float, comm: Comm | None, replicated: list[str] | None) -> SaveHandle:
-        tree, entries = self.flattener.flatten(state, allow_pickle=allow_pickle)
+        tree, entries, plans = self.flattener.flatten_kept(state, allow_pickle=allow_pickle)
         dist = plan(entries, replicated or [], comm) if comm is not None and comm.size > 1 else None
         handle = SaveHandle()
         job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
                       ticket=self._capture_order.ticket(), dist=dist)
-        if reuse_unchanged and dist is None:
-            self._reuse_unchanged(job)
-        self._known_stats(job)
+        if dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
+            plans = None  # rows without their source now: a kept layout would copy them
+        job.known_stats = KnownStats(entries, self.last_saved, self.chunk_size)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
-        stream = self._stream_for(entries)
+        stream = None if plans is not None else self._stream_for(entries)  # kept layouts are host-only
         self.pipeline.submit(job)
         if lazy:
             if optimizer is not None:
                 self._wait_before_step(optimizer, handle)
-            threading.Thread(target=self._capture_quietly, args=(job, stream), name="datastates-capture",
+            threading.Thread(target=self._capture_quietly, args=(job, stream, plans), name="datastates-capture",
                              daemon=True).start()
         else:
             # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
-            capture(job, self.pool, stream, self._capture_order, borrow=overlap and dist is None)
+            capture(job, self.pool, stream, self._capture_order, borrow=overlap and dist is None, plans=plans)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
 
@@ -97,20 +97,8 @@ class Saver:
             if e.kind == "tensor" and e.sig is not None:
                 last_saved[e.key] = (e.sig, e.chunks, e.stats, chunk_size)
 
-    def _known_stats(self, job: SaveJob) -> None:
-        """Offer the pipeline the stats of each single-chunk tensor as last saved under its key with the
-        same dtype and chunk size: same chunk id (blake3 of the bytes) + same dtype = same statistics,
-        so a partly changed state pays for the statistics of its changed tensors only."""
-        last_saved = self.last_saved
-        for row, e in enumerate(job.entries):
-            if e.kind != "tensor" or e.source is None:
-                continue
-            last = last_saved.get(e.key)
-            if last is not None and len(last[1]) == 1 and last[3] == job.chunk_size and last[0][2] == e.dtype:
-                job.known_stats[row] = last
-
-    def _reuse_unchanged(self, job: SaveJob) -> None:
-        """Point untouched tensors at the chunks and stats this store saved for them last time."""
+    def _reuse_unchanged(self, job: SaveJob) -> bool:
+        """Point untouched tensors at the chunks and stats this store saved for them last time; True if any."""
         candidates = []
         for e in job.entries:
             last = self.last_saved.get(e.key) if e.kind == "tensor" else None
@@ -118,9 +106,10 @@ class Saver:
                 candidates.append((e, last))
         wanted = [c for _, last in candidates for c in last[1]]
         if not candidates or not all(self.dedup(job, wanted)):
-            return  # something was pruned, collected or evicted since: copy everything
+            return False  # something was pruned, collected or evicted since: copy everything
         for e, last in candidates:
             e.chunks, e.stats, e.source = list(last[1]), dict(last[2]), None
+        return True
 
     def _wait_before_step(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
         """Make the optimizer's next step() wait until `handle` is staged.
@@ -143,9 +132,9 @@ class Saver:
             optimizer.register_step_pre_hook(hook)
         pending.append(handle)
 
-    def _capture_quietly(self, job: SaveJob, stream: Any) -> None:
+    def _capture_quietly(self, job: SaveJob, stream: Any, plans: dict[Any, Any] | None) -> None:
         try:
-            capture(job, self.pool, stream, self._capture_order)
+            capture(job, self.pool, stream, self._capture_order, plans=plans)
         except BaseException:
             pass  # reported through the handle by the pipeline
 

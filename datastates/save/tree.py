@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import operator
 import pickle
 import weakref
 from collections import OrderedDict
@@ -41,9 +42,10 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise UnsupportedValueError(f"dtype {name!r} is unknown to torch {torch.__version__}; upgrade torch") from None
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorEntry:
-    """One manifest row while saving."""
+    """One manifest row while saving. Slotted: thousands are made per save, and each object the collector
+    tracks costs it time."""
 
     key: str
     dtype: torch.dtype
@@ -324,22 +326,44 @@ class _Flattened:
     def __init__(self, tree: dict[str, Any], f: Flattener, tensors: list[torch.Tensor],
                  on_death: Callable[[Any], None]) -> None:
         self.tree = tree
+        self.plans: dict[Any, Any] = {}
+        """What later steps derive from this flatten alone and keep with it (`capture`'s slot layouts):
+        valid for every save this record serves, dropped with it."""
         self.refs = [weakref.ref(t, on_death) for t in tensors]
         self.sigs = [_tensor_sig(t) for t in tensors]
         tensor_of = {row: i for i, row in enumerate(f.tensor_rows)}
-        self.rows: list[tuple[TensorEntry, int, torch.Tensor | None]] = []
+        # The rows as columns, so a reuse builds its fresh rows with one `map` (no Python loop per row).
+        self.columns: list[list[Any]] = [[], [], [], [], [], [], [], [], [], []]
+        self.copied: list[tuple[int, int]] = []
+        """(row, tensor) of the 'tensor' rows whose bytes are a contiguous copy, made again on every save."""
+        self.signed: list[int] = []
+        """The 'tensor' rows (each gets a fresh `sig`), and the tensor each one stores, in `sig_of`."""
+        self.sig_of: list[int] = []
         for row, e in enumerate(f.entries):
-            i = tensor_of.get(row, -1)
             src = e.source
             if e.kind == "tensor":
                 assert src is not None
+                i = tensor_of[row]
                 t = tensors[i]
-                # A byte view is reused only if it reads the tensor's own memory (not a contiguous copy).
-                if not (src.numel() and src.data_ptr() == t.data_ptr()):
+                # A byte view is reused only if it reads the tensor's own memory (not a contiguous copy); an
+                # empty one reads nothing.
+                if src.numel() and src.data_ptr() != t.data_ptr():
                     src = None
-            template = TensorEntry(e.key, e.dtype, e.shape, e.device, e.kind, base=e.base, offset=e.offset,
-                                   stride=e.stride, nbytes=e.nbytes)
-            self.rows.append((template, i, src))
+                    self.copied.append((row, i))
+                self.signed.append(row)
+                self.sig_of.append(i)
+            elif e.kind != "storage":
+                src = None
+            for col, v in zip(self.columns, (e.key, e.dtype, e.shape, e.device, e.kind, src, e.base, e.offset,
+                                             e.stride, e.nbytes)):
+                col.append(v)
+        self._sig_cols = [[self.sigs[i][1] for i in self.sig_of]] + [
+            [self.columns[c][row] for row in self.signed] for c in (1, 2)] + [
+            [self.sigs[i][4] for i in self.sig_of], [self.columns[3][row] for row in self.signed]]
+        self.own_sources = not self.copied
+        """Every stored row reads through a byte view this record keeps (no contiguous copy made per save):
+        each save's rows have the very same sources, so `plans` may hold them."""
+        self.host_only = all(d == "cpu" for d in self.columns[3])
 
     def reuse(self, state: Any) -> tuple[dict[str, Any], list[TensorEntry]] | None:
         """The skeleton and fresh rows of `state` if it holds the same tensors as this flatten, in the same
@@ -348,22 +372,23 @@ class _Flattened:
         tree = _walk(state, self.tree, tensors)
         if tree is None or len(tensors) != len(self.refs):
             return None
-        for t, ref, sig in zip(tensors, self.refs, self.sigs):
-            if ref() is not t or _tensor_sig(t) != sig:
-                return None
-        entries = []
-        for tpl, i, src in self.rows:
-            e = TensorEntry(tpl.key, tpl.dtype, tpl.shape, tpl.device, tpl.kind, base=tpl.base, offset=tpl.offset,
-                            stride=tpl.stride, nbytes=tpl.nbytes)
-            if tpl.kind == "tensor":
-                t = tensors[i]
-                e.source = src if src is not None else _bytes_of(t)
-                sig = self.sigs[i]
-                e.sig = (sig[1], t._version, tpl.dtype, tpl.shape, sig[4], tpl.device)
-            elif tpl.kind == "storage":
-                e.source = src
-            entries.append(e)
+        if not all(map(operator.is_, map(_deref, self.refs), tensors)):
+            return None
+        if list(map(_tensor_sig, tensors)) != self.sigs:
+            return None
+        entries = list(map(TensorEntry, *self.columns))
+        for row, i in self.copied:
+            entries[row].source = _bytes_of(tensors[i])
+        signed = [tensors[i] for i in self.sig_of]
+        ptrs, dtypes, shapes, strides, devices = self._sig_cols
+        # sig: (data_ptr, version counter, dtype, shape, stride, device), as `Flattener._add_tensor` makes it
+        for row, sig in zip(self.signed, zip(ptrs, map(_version_of, signed), dtypes, shapes, strides, devices)):
+            entries[row].sig = sig
         return tree, entries
+
+
+_deref = weakref.ref.__call__
+_version_of = operator.attrgetter("_version")
 
 
 class FlattenCache:
@@ -380,11 +405,19 @@ class FlattenCache:
 
     def flatten(self, state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
         """As `flatten`; raises what it raises."""
+        tree, entries, _ = self.flatten_kept(state, allow_pickle)
+        return tree, entries
+
+    def flatten_kept(self, state: Any, allow_pickle: bool = False
+                     ) -> tuple[dict[str, Any], list[TensorEntry], dict[Any, Any] | None]:
+        """As `flatten`, plus on a reuse whose rows are all on the host and read only byte views the record
+        keeps, the record's `plans` (kept layouts that name those views); None otherwise. Raises what
+        `flatten` raises."""
         last = self._last
         if last is not None:
             hit = last.reuse(state)
             if hit is not None:
-                return hit
+                return hit[0], hit[1], last.plans if last.own_sources and last.host_only else None
         f = Flattener(allow_pickle)
         tree = f.flatten(state)
         _renumber(tree, f.tensor_rows)
@@ -399,7 +432,7 @@ class FlattenCache:
             # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
             if _walk(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
                 self._last = _Flattened(tree, f, tensors, self._forget)
-        return tree, f.entries
+        return tree, f.entries, None
 
     def clear(self) -> None:
         """Drop the kept flatten (and with it every reference to the state's storages)."""
