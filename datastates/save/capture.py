@@ -58,71 +58,36 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
     place, as a slot of its own that is never pooled: hashing, statistics and the pack write read
     the caller's memory, and a chunk the store already has costs no copy at all.
 
-    A host-only job is laid out first (`plan`: which piece goes where in which slot) and then copied slot by
-    slot. `plans`, when given, keeps that layout for jobs whose rows and byte views are the very same
-    objects' (a cached flatten, `FlattenCache`): a repeated capture then only splits each slot and copies.
+    The job is laid out first (`plan`: which piece goes where in which slot) and then copied slot by slot;
+    CUDA pieces are copied on `cuda_stream`. `plans`, when given, keeps that layout for host-only jobs whose
+    rows and byte views are the very same objects' (a cached flatten, `FlattenCache`): a repeated capture
+    then only splits each slot and copies.
 
     Always ends the job's slot stream (with None), even on error.
     """
     waited = order.wait_turn(job.ticket) if order is not None else 0.0
-    slot: Slot | None = None
-    batch: list[tuple[int, int, torch.Tensor]] = []  # host copies into the current slot, done at hand-over
     t0 = time.perf_counter()
     try:
-        if cuda_stream is None:
-            key = (job.chunk_size, pool.slot_bytes, borrow)
-            steps = plans.get(key) if plans is not None else None
-            if steps is None:
-                steps = plan(job.entries, job.chunk_size, pool.slot_bytes, borrow)
-                if plans is not None:
-                    plans[key] = steps
-            for step in steps:
-                if step.borrowed is not None:
-                    _hand_over(job, Slot(step.borrowed, step.pieces, step.used, borrowed=True), None)
-                    continue
-                slot, w = pool.acquire(job.go.set)
-                waited += w
-                slot.pieces, slot.used = step.pieces, step.used
-                try:
-                    step.copy_into(slot.buf)
-                except BaseException:
-                    pool.release(slot)
-                    raise
-                _hand_over(job, slot, None)
-            return
-        cuda_stream.wait_stream(torch.cuda.current_stream())
-        for row, e in enumerate(job.entries):
-            if e.source is None:
+        if cuda_stream is not None:
+            cuda_stream.wait_stream(torch.cuda.current_stream())
+        key = (job.chunk_size, pool.slot_bytes, borrow)
+        steps = plans.get(key) if plans is not None else None
+        if steps is None:
+            steps = plan(job.entries, job.chunk_size, pool.slot_bytes, borrow)
+            if plans is not None:
+                plans[key] = steps
+        for step in steps:
+            if step.borrowed is not None:
+                _hand_over(job, Slot(step.borrowed, step.pieces, step.used, borrowed=True), None)
                 continue
-            src = e.source
-            on_gpu = src.is_cuda  # not device.type: a new str per tensor
-            nbytes = e.nbytes
-            if borrow and not on_gpu and nbytes >= BORROW_MIN and src.is_contiguous():
-                # A slot per chunk: a slot is hashed by one worker, and a big tensor's chunks should spread
-                # over all of them.
-                for a, b in spans(nbytes, job.chunk_size):
-                    _hand_over(job, Slot(src, [Piece(row, a, b - a)], b - a, borrowed=True), None)
-                continue
-            for a, b in ((0, nbytes),) if nbytes <= job.chunk_size else spans(nbytes, job.chunk_size):
-                n = b - a
-                if slot is None or slot.used + n > pool.slot_bytes:
-                    if slot is not None:
-                        _copy_batch(slot, batch)
-                        _hand_over(job, slot, cuda_stream)
-                    slot, w = pool.acquire(job.go.set)
-                    waited += w
-                if n:
-                    if on_gpu:
-                        dst = slot.buf[slot.used:slot.used + n]
-                        with torch.cuda.stream(cuda_stream):
-                            dst.copy_(src[a:b], non_blocking=True)
-                            src.record_stream(cuda_stream)
-                    else:
-                        batch.append((slot.used, n, src if n == nbytes else src[a:b]))
-                slot.pieces.append(Piece(row, slot.used, n))
-                slot.used += -(-n // _ALIGN) * _ALIGN
-        if slot is not None:
-            _copy_batch(slot, batch)
+            slot, w = pool.acquire(job.go.set)
+            waited += w
+            slot.pieces, slot.used = step.pieces, step.used
+            try:
+                step.copy_into(slot.buf, cuda_stream)
+            except BaseException:
+                pool.release(slot)
+                raise
             _hand_over(job, slot, cuda_stream)
         if cuda_stream is not None:
             # Later kernels on the caller's stream (optimizer steps) wait for our copies.
@@ -144,27 +109,30 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
 
 
 class SlotPlan:
-    """One slot of a host capture's layout: its pieces and the copies that fill it, or a borrowed slot (the
-    caller's own bytes, read in place). Read-only once made: the pieces list is handed to every slot made
-    from this plan, and the pipeline only reads it."""
+    """One slot of a capture's layout: its pieces and the copies that fill it, or a borrowed slot (the caller's
+    own bytes, read in place). Read-only once made: the pieces list is handed to every slot made from this
+    plan, and the pipeline only reads it."""
 
-    __slots__ = ("pieces", "used", "borrowed", "_start", "_end", "_sizes", "_keep", "_srcs")
+    __slots__ = ("pieces", "used", "borrowed", "_start", "_end", "_sizes", "_keep", "_srcs", "_cuda")
 
     def __init__(self, pieces: list[Piece], used: int, borrowed: torch.Tensor | None = None,
                  batch: list[tuple[int, int, torch.Tensor]] | None = None) -> None:
         self.pieces = pieces
         self.used = used
         self.borrowed = borrowed
-        self._srcs = [src for _, _, src in batch or ()]
+        batch = batch or []
+        self._cuda = [b for b in batch if b[2].is_cuda]
+        host = [b for b in batch if not b[2].is_cuda] if self._cuda else batch
+        self._srcs = [src for _, _, src in host]
         self._start = self._end = 0
         self._sizes: list[int] = []
         self._keep: Callable[[Any], Any] | None = None
-        if not batch:
+        if not host:
             return
         take: list[int] = []
-        self._start = pos = batch[0][0]
-        for off, n, _ in batch:
-            if off > pos:  # alignment padding between pieces
+        self._start = pos = host[0][0]
+        for off, n, _ in host:
+            if off > pos:  # alignment padding (or a CUDA piece) between pieces
                 self._sizes.append(off - pos)
             take.append(len(self._sizes))
             self._sizes.append(n)
@@ -173,9 +141,17 @@ class SlotPlan:
         if len(take) != len(self._sizes):
             self._keep = operator.itemgetter(*take)
 
-    def copy_into(self, buf: torch.Tensor) -> None:
-        """Copy the plan's sources into `buf` (a pool slot): one `split` and one `_foreach_copy_` (with
-        thousands of small tensors, per-piece slicing and copy calls cost as much as the copying itself)."""
+    def copy_into(self, buf: torch.Tensor, cuda_stream: Any = None) -> None:
+        """Copy the plan's sources into `buf` (a pool slot). Host pieces: one `split` and one `_foreach_copy_`
+        (with thousands of small tensors, per-piece slicing and copy calls cost as much as the copying
+        itself). CUDA pieces: asynchronous copies on `cuda_stream`, each source kept alive for it."""
+        for off, n, src in self._cuda:
+            if cuda_stream is None:
+                buf[off:off + n].copy_(src)
+                continue
+            with torch.cuda.stream(cuda_stream):
+                buf[off:off + n].copy_(src, non_blocking=True)
+                src.record_stream(cuda_stream)
         srcs = self._srcs
         if len(srcs) == 1:
             buf[self._start:self._end].copy_(srcs[0])
@@ -185,8 +161,9 @@ class SlotPlan:
 
 
 def plan(entries: list[TensorEntry], chunk_size: int, slot_bytes: int, borrow: bool) -> list[SlotPlan]:
-    """The layout of a host capture of `entries` (rows without a source are skipped), slots in hand-over
-    order; `borrow` as in `capture`. Each chunk of a row is one piece; pieces start on `_ALIGN` bytes."""
+    """The layout of a capture of `entries` (rows without a source are skipped), slots in hand-over order;
+    `borrow` as in `capture` (host tensors only). Each chunk of a row is one piece; pieces start on `_ALIGN`
+    bytes."""
     steps: list[SlotPlan] = []
     pieces: list[Piece] | None = None
     batch: list[tuple[int, int, torch.Tensor]] = []
@@ -196,7 +173,7 @@ def plan(entries: list[TensorEntry], chunk_size: int, slot_bytes: int, borrow: b
         if src is None:
             continue
         nbytes = e.nbytes
-        if borrow and nbytes >= BORROW_MIN and src.is_contiguous():
+        if borrow and nbytes >= BORROW_MIN and not src.is_cuda and src.is_contiguous():
             # A slot per chunk: a slot is hashed by one worker, and a big tensor's chunks should spread
             # over all of them.
             for a, b in spans(nbytes, chunk_size):
@@ -215,30 +192,6 @@ def plan(entries: list[TensorEntry], chunk_size: int, slot_bytes: int, borrow: b
     if pieces is not None:
         steps.append(SlotPlan(pieces, used, batch=batch))
     return steps
-
-
-def _copy_batch(slot: Slot, batch: list[tuple[int, int, torch.Tensor]]) -> None:
-    """Copy the pending host pieces `(offset, length, source bytes)` into `slot` and empty `batch`.
-
-    One `split` and one `_foreach_copy_` for the whole slot: with thousands of small tensors the
-    per-piece Python slicing and copy calls cost as much as the copying itself."""
-    if len(batch) == 1:
-        off, n, src = batch[0]
-        slot.buf[off:off + n].copy_(src)
-    elif batch:
-        sizes: list[int] = []
-        take: list[bool] = []
-        start = pos = batch[0][0]
-        for off, n, _ in batch:
-            if off > pos:  # alignment padding between pieces
-                sizes.append(off - pos)
-                take.append(False)
-            sizes.append(n)
-            take.append(True)
-            pos = off + n
-        parts = slot.buf[start:pos].split(sizes)
-        torch._foreach_copy_([p for p, keep in zip(parts, take) if keep], [src for _, _, src in batch])
-    batch.clear()
 
 
 def _hand_over(job: SaveJob, slot: Slot, cuda_stream: Any) -> None:

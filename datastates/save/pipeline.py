@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     pass
 
 _AHEAD_BYTES = 64 << 20
-"""Bytes of captured slots the workers may hash ahead of the writer."""
+"""Bytes of captured slots the workers may hash ahead of the one being written, so that every worker stays busy
+while the writer writes in order; bytes, not slots, since one big slot may take as long as many small ones
+(one slot ahead ran a save at one hashing core's speed; docs/perf-notes.md "Hashing ahead")."""
 
 Stats = Partial | dict[str, Any] | None
 """A piece's statistics: computed (Partial), known from an earlier save of the same bytes (dict), or none."""
@@ -126,10 +128,6 @@ class Pipeline:
         # caller's next copies (measured: 1 GiB copy 0.110 s -> 0.146-0.200 s).
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datastates-hash",
                                            initializer=torch.set_num_threads, initargs=(1,))
-        # Slots hashed ahead of the one being written, so that every worker stays busy while the writer
-        # writes in order: bounded in bytes, since one big slot may take as long as many small ones (one
-        # slot ahead ran a save at one hashing core's speed; docs/perf-notes.md "Hashing ahead").
-        self._ahead_bytes = _AHEAD_BYTES
         self._inflight = 0
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="datastates-pipeline", daemon=True)
@@ -201,7 +199,7 @@ class Pipeline:
                 ahead += slot.used
                 # Hash the next slots while writing this one, but never sit on slots waiting for more:
                 # the capture may need them back to go on (pool smaller than the state).
-                while window and (ahead > self._ahead_bytes or job.slots.empty()):
+                while window and (ahead > _AHEAD_BYTES or job.slots.empty()):
                     ahead -= window[0][0].used
                     self._write(job, *window.popleft())
             job.slots_done = True
