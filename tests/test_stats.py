@@ -129,13 +129,15 @@ def test_equal_small_tensors_are_summarized_together_with_the_same_values(
     st["f05"][17] = float("nan")
     st["f06"][3] = float("inf")
     st["f07"] = 1.0 + 1e-6 * torch.randn(1024, generator=g)  # a spread the one-pass formula cannot keep
+    st["f08"] = torch.full((1024,), 3.0)  # no spread at all
     st["i00"] = torch.arange(1024, dtype=torch.int32)  # another dtype between runs
     st.update({f"h{i}": (torch.randn(2048, generator=g) * 3).to(torch.float16) for i in range(5)})
     st.update({f"b{i}": (torch.randn(2048, generator=g) - 5).to(torch.bfloat16) for i in range(5)})
     with ds.Store.open(tmp_path / "s") as store:
         v = store.save(st)
         rows = {r["key"]: r for r in store.manifest(v.manifests["0"]).rows}
-    assert sorted(map(str, alone)) == ["torch.float32"] * 3 + ["torch.int32"]  # f05, f06, f07 and i00
+    # Only the non-finite ones and another dtype are summarized alone: f07 and f08 get the batched centred pass.
+    assert sorted(map(str, alone)) == ["torch.float32"] * 2 + ["torch.int32"]  # f05, f06 and i00
     for k, t in st.items():
         want = _stats_of(t)
         finite = t.double()[torch.isfinite(t)]
@@ -144,3 +146,30 @@ def test_equal_small_tensors_are_summarized_together_with_the_same_values(
         assert rows[k]["mean"] == pytest.approx(float(finite.mean()), rel=1e-5, abs=1e-6), k
         assert rows[k]["std"] == pytest.approx(float(finite.std()), rel=1e-4), k
         assert rows[k]["l2"] == pytest.approx(float(finite.norm()), rel=1e-5), k
+
+
+def test_near_constant_small_tensors_are_centred_together(tmp_path: Path, alone: list[torch.dtype]) -> None:
+    # BatchNorm/LayerNorm weights near 1, AdamW's exp_avg_sq, a state drifting far from zero: the one-pass m2
+    # cancels, and the centred second pass runs batched over the run (mixed with ordinary rows in one block).
+    g = torch.Generator().manual_seed(7)
+    st: dict[str, torch.Tensor] = {}
+    for i in range(60):
+        base = torch.randn(768, generator=g)
+        st[f"n{i:02d}"] = [1.0 + 1e-5 * base, 1000.0 + 1e-2 * base, base, 42.0 + 0 * base][i % 4].float()
+    st.update({f"h{i}": (7.0 + 1e-3 * torch.randn(768, generator=g)).half() for i in range(4)})
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save(st)
+        rows = {r["key"]: r for r in store.manifest(v.manifests["0"]).rows}
+        assert alone == []
+        first = {k: t.clone() for k, t in st.items()}
+        for t in st.values():
+            t.add_(1)  # the second save sees new bytes: computed again, batched again
+        v2 = store.save(st)
+        rows2 = {r["key"]: r for r in store.manifest(v2.manifests["0"]).rows}
+    assert alone == []
+    for got, tag, state in ((rows, "first", first), (rows2, "second", st)):
+        for k, t in state.items():
+            x = t.double()
+            assert got[k]["std"] == pytest.approx(float(x.std()), rel=1e-3, abs=1e-9), (tag, k)
+            assert got[k]["mean"] == pytest.approx(float(x.mean()), rel=1e-7, abs=1e-6), (tag, k)
+            assert (got[k]["min"], got[k]["max"]) == (float(x.min()), float(x.max())), (tag, k)

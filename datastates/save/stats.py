@@ -107,35 +107,57 @@ BATCHED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int) -> list[Partial | None]:
     """Summaries of `count` equal, consecutive pieces of `raw` (uint8 bytes of whole elements of `dtype`, one of
-    `BATCHED_DTYPES`) from four batched reductions instead of a handful of torch calls per piece. None for a piece the
-    one-pass formulas cannot settle (a non-finite value, a spread tiny next to the mean): `partial` of that
-    piece alone is its summary."""
+    `BATCHED_DTYPES`) from a handful of batched reductions instead of a handful of torch calls per piece. Pieces
+    whose spread is tiny next to their mean (BatchNorm weights, AdamW's `exp_avg_sq`) get the centred second pass
+    of `partial`, batched too. None for a piece holding a non-finite value: `partial` of that piece alone is its
+    summary."""
     x = raw.view(dtype).view(count, -1)
     n = x.shape[1]
-    totals: list[float] = []
-    squares: list[float] = []
-    lows: list[float] = []
-    highs: list[float] = []
+    out: list[Partial | None] = []
+    isfinite = math.isfinite
     rows = max(1, _BLOCK // n)  # squares (and fp32 copies) go through reused blocks: no new pages
     for r in range(0, count, rows):
         part = x[r:r + rows]
         if part.dtype != torch.float32:
             part = _block(0, part.numel()).view(part.shape).copy_(part)
-        totals += part.sum(1).tolist()
-        squares += torch.mul(part, part, out=_block(1, part.numel()).view(part.shape)).sum(1).tolist()
+        sums = part.sum(1)
+        totals = sums.tolist()
+        squares = torch.mul(part, part, out=_block(1, part.numel()).view(part.shape)).sum(1).tolist()
         mins, maxs = torch.aminmax(part, dim=1)
-        lows += mins.tolist()
-        highs += maxs.tolist()
-    out: list[Partial | None] = []
-    isfinite = math.isfinite
-    for total, sq, lo, hi in zip(totals, squares, lows, highs):
-        mean = total / n
-        m2 = sq - total * mean
-        if isfinite(total) and isfinite(sq) and isfinite(lo) and isfinite(hi) and m2 > _SAFE * sq:
+        lows, highs = mins.tolist(), maxs.tolist()
+        first = len(out)
+        narrow: list[int] = []  # rows of this block whose one-pass m2 cancels
+        for total, sq, lo, hi in zip(totals, squares, lows, highs):
+            mean = total / n
+            m2 = sq - total * mean
+            if not (isfinite(total) and isfinite(sq) and isfinite(lo) and isfinite(hi)):
+                out.append(None)
+                continue
+            if not m2 > _SAFE * sq:
+                narrow.append(len(out) - first)
             out.append(Partial(n=n, mean=mean, m2=m2, lo=lo, hi=hi))
-        else:
-            out.append(None)
+        if narrow:
+            _centre_rows(part, sums, narrow, out, first)
     return out
+
+
+def _centre_rows(part: torch.Tensor, sums: torch.Tensor, narrow: list[int], out: list[Partial | None],
+                 first: int) -> None:
+    """Recompute mean and m2 of rows `narrow` of `part` (fp32, one piece per row) centred on their fp32 means,
+    corrected by the residual sums (the shifted-data algorithm of `partial`), into `out[first + row]`. Every row
+    of the block is centred (no gathered copy of the narrow ones: no third scratch block); only `narrow` change."""
+    n = part.shape[1]
+    means = sums / n
+    d = torch.sub(part, means.unsqueeze(1), out=_block(1, part.numel()).view(part.shape))
+    resid = d.sum(1).tolist()
+    m2s = d.mul_(d).sum(1).tolist()
+    mean_of = means.tolist()
+    for row in narrow:
+        p = out[first + row]
+        assert p is not None
+        res = resid[row]
+        p.mean = mean_of[row] + res / n
+        p.m2 = max(m2s[row] - res * res / n, 0.0)
 
 
 _SAFE = 1e-2
