@@ -353,3 +353,37 @@ def test_known_stats_are_looked_up_when_asked_and_only_for_one_chunk_of_the_same
     assert known.get(1) is None
     last["b"] = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32], {}, 2048)  # another chunk size
     assert known.get(1) is None
+
+
+def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp_path: Path) -> None:
+    # The manifest's constant columns and the skeleton's JSON are encoded once per kept flatten; every later
+    # save's manifest is byte for byte what encoding from scratch gives, and a changed plain leaf (a step
+    # counter) reaches the manifest of the save that changed it.
+    from datastates.save import manifest as mf
+
+    g = torch.Generator().manual_seed(11)
+    st: dict[str, Any] = {"w": [torch.randn(64, generator=g) for _ in range(20)], "step": 0,
+                          "b": torch.arange(5, dtype=torch.int64)}
+    cache = FlattenCache()
+    kept_seen = []
+    for step in (0, 0, 1, 2):
+        st["step"] = step
+        tree, rows, _, kept = cache.flatten_kept(st)
+        assert kept is not None
+        kept_seen.append(kept)
+        for i, e in enumerate(rows):
+            e.chunks, e.stats = [bytes([i]) * 32], {"min": float(i), "nan_count": 0}
+        assert mf.encode(tree, rows, 1 << 20, kept) == mf.encode(tree, rows, 1 << 20), step
+        assert mf.Manifest(*mf.encode(tree, rows, 1 << 20, kept)).tree == tree
+    assert all(k is kept_seen[0] for k in kept_seen)  # one record served every save
+    st["w"].append(torch.zeros(3))  # another structure: a new record, new columns
+    tree, rows, _, kept = cache.flatten_kept(st)
+    assert kept is not None and kept is not kept_seen[0] and "columns" not in kept
+    with ds.Store.open(tmp_path / "s") as store:
+        for step in (3, 4, 4, 5):
+            st["step"] = step
+            st["w"][0].add_(1)
+            v = store.save(st)
+            back = store.load(v)
+            assert back["step"] == step
+            assert torch.equal(back["w"][0], st["w"][0]) and len(back["w"]) == 21

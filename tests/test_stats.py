@@ -173,3 +173,24 @@ def test_near_constant_small_tensors_are_centred_together(tmp_path: Path, alone:
             assert got[k]["std"] == pytest.approx(float(x.std()), rel=1e-3, abs=1e-9), (tag, k)
             assert got[k]["mean"] == pytest.approx(float(x.mean()), rel=1e-7, abs=1e-6), (tag, k)
             assert (got[k]["min"], got[k]["max"]) == (float(x.min()), float(x.max())), (tag, k)
+
+
+def test_a_run_of_whole_tensors_and_pieces_of_a_bigger_one_keeps_each_tensors_stats(
+        tmp_path: Path, alone: list[torch.dtype]) -> None:
+    # With 4 KiB chunks, 1,024-element fp32 tensors and the 4 KiB pieces of 4,096-element ones are equal,
+    # adjacent pieces of one run: whole tensors get final statistics at once, the pieces are merged per tensor.
+    g = torch.Generator().manual_seed(8)
+    st: dict[str, torch.Tensor] = {}
+    for i in range(12):
+        st[f"a{i:02d}"] = torch.randn(4096 if i % 3 == 1 else 1024, generator=g) * (i + 1) + (50.0 if i % 2 else 0.0)
+    with ds.Store.open(tmp_path / "s", chunk_size=4096) as store:
+        v = store.save(st)
+        rows = {r["key"]: r for r in store.manifest(v.manifests["0"]).rows}
+    assert alone == []
+    assert [len(rows[k]["chunks"]) for k in sorted(st)] == [4 if i % 3 == 1 else 1 for i in range(12)]
+    for k, t in st.items():
+        x = t.double()
+        assert rows[k]["std"] == pytest.approx(float(x.std()), rel=1e-4), k
+        assert rows[k]["mean"] == pytest.approx(float(x.mean()), rel=1e-5, abs=1e-5), k
+        assert rows[k]["l2"] == pytest.approx(float(x.norm()), rel=1e-5), k
+        assert (rows[k]["min"], rows[k]["max"]) == (float(x.min()), float(x.max())), k

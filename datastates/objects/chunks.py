@@ -6,7 +6,7 @@ bytes always get the same id whatever codec stored them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import blake3
 
@@ -34,9 +34,11 @@ def spans(nbytes: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, nbytes)) for s in range(0, nbytes, chunk_size)]
 
 
-@dataclass(frozen=True)
-class ChunkLocation:
-    """Where a chunk's stored bytes live."""
+class ChunkLocation(NamedTuple):
+    """Where a chunk's stored bytes live. A named tuple, not a dataclass: a save of thousands of small tensors
+    makes one per new chunk, and a tuple of strings and ints is built ~5x faster and is dropped from the cyclic
+    collector's tracking at its first pass (each tracked object a save keeps alive costs the collector's full
+    passes ~1.5 us; docs/perf-notes.md)."""
 
     pack: str
     """Id of the pack file (32 hex characters)."""

@@ -20,7 +20,7 @@ import fnmatch
 import json
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import blake3
@@ -117,13 +117,13 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
     for i in dist.remote:
         chunks, stats = reports[dist.owners[i]]["rows"][str(i)]
         job.entries[i].chunks, job.entries[i].stats = list(chunks), dict(stats)
-    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size)
+    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size, job.encoded)
     tier.write_manifest(mid, mdata)
     job.timings["rank_bytes_written"] = job.bytes_new  # what this rank wrote (the record sums every rank's)
     # the writer's rank: a rebuilt node gets back its ranks' packs and those it held as their partner
     packs = {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name, "rank": comm.rank} for w in job.packs}
     many_tiers = placement is not None and placement.groups > 1
-    phase1 = comm.allgather({"mid": mid, "chunks": [(c, astuple(loc)) for c, loc in job.new_chunks.items()],
+    phase1 = comm.allgather({"mid": mid, "chunks": [(c, tuple(loc)) for c, loc in job.new_chunks.items()],
                              "packs": packs, "bytes_new": job.bytes_new, "chunks_new": len(job.new_chunks),
                              "bytes_total": sum(e.nbytes for i, e in enumerate(job.entries) if i not in dist.remote),
                              # every node's catalog needs every rank's manifest (loads at other world sizes)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from ..meta.catalog import Catalog, CommitBatch
@@ -32,7 +32,7 @@ def make_visible(job: SaveJob, *, tier: Tier, refs: RefStore, catalog: Catalog,
     `before_record` runs under the ref lock before anything names the version (the object store
     puts back reused packs there); an exception from it, or from any write, leaves nothing visible.
     """
-    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size)
+    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size, job.encoded)
     tier.write_manifest(mid, mdata)
     req = job.request
     branch = req["branch"]
@@ -108,9 +108,9 @@ class Staged:
 
 def stage(job: SaveJob, *, tier: Tier) -> Staged:
     """Write a saved job's manifest and describe it, without a record: nothing becomes visible."""
-    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size)
+    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size, job.encoded)
     tier.write_manifest(mid, mdata)
-    return Staged(mid, [(c, astuple(loc)) for c, loc in job.new_chunks.items()],
+    return Staged(mid, [(c, tuple(loc)) for c, loc in job.new_chunks.items()],
                   {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name} for w in job.packs},
                   sum(e.nbytes for e in job.entries), job.bytes_new)
 

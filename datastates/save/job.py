@@ -146,5 +146,7 @@ class SaveJob:
     """A collective save's own failure, carried to the commit so every rank hears of it."""
     known_stats: KnownStats | None = None
     """What this store last saved under each row's key, asked for by the hashing workers (see `KnownStats`)."""
+    encoded: dict[str, Any] | None = None
+    """The kept flatten's `encoded` when the rows came from one: the manifest's constant columns, encoded once."""
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""

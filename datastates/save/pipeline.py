@@ -78,7 +78,10 @@ def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
         if len(run) > 1:
             first = slot.pieces[run[0]]
             end = first.start + first.length * len(run)
-            many = partial_many(slot.buf[first.start:end], entries[first.row].dtype, len(run))
+            # Pieces that are whole tensors (thousands of small ones) get their final statistics here: no
+            # Partial per piece to keep, merge and finalize on the pipeline thread.
+            whole = all(slot.pieces[i].length == entries[slot.pieces[i].row].nbytes for i in run)
+            many = partial_many(slot.buf[first.start:end], entries[first.row].dtype, len(run), whole)
             for i, st in zip(run, many):
                 out[i] = st
         for i in run:

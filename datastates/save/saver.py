@@ -66,11 +66,11 @@ class Saver:
     def _submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                 optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
                 t_call: float, comm: Comm | None, replicated: list[str] | None) -> SaveHandle:
-        tree, entries, plans = self.flattener.flatten_kept(state, allow_pickle=allow_pickle)
+        tree, entries, plans, encoded = self.flattener.flatten_kept(state, allow_pickle=allow_pickle)
         dist = plan(entries, replicated or [], comm) if comm is not None and comm.size > 1 else None
         handle = SaveHandle()
         job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
-                      ticket=self._capture_order.ticket(), dist=dist)
+                      ticket=self._capture_order.ticket(), dist=dist, encoded=encoded)
         if dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
             plans = None  # rows without their source now: a kept layout would copy them
         job.known_stats = KnownStats(entries, self.last_saved, self.chunk_size)

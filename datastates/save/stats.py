@@ -49,14 +49,20 @@ class Partial:
     def final(self) -> dict[str, float | int | None]:
         if not self.ok:
             return {}
-        l2 = math.sqrt(max(self.m2 + self.n * self.mean * self.mean, 0.0)) if self.n else 0.0
         if self.complex:
+            l2 = math.sqrt(max(self.m2 + self.n * self.mean * self.mean, 0.0)) if self.n else 0.0
             return {"l2": l2, "nan_count": self.nan, "inf_count": self.inf}
         if self.n == 0:
             return {"l2": 0.0, "nan_count": self.nan, "inf_count": self.inf}
-        std = math.sqrt(self.m2 / (self.n - 1)) if self.n > 1 else 0.0
-        return {"min": self.lo, "max": self.hi, "mean": self.mean, "std": std, "l2": l2,
-                "nan_count": self.nan, "inf_count": self.inf}
+        return _final(self.n, self.mean, self.m2, self.lo, self.hi, self.nan, self.inf)
+
+
+def _final(n: int, mean: float, m2: float, lo: float, hi: float, nan: int = 0,
+           inf: int = 0) -> dict[str, float | int | None]:
+    """The statistics of `n` > 0 finite real values summarized as (mean, m2, min, max), plus the counts."""
+    std = math.sqrt(m2 / (n - 1)) if n > 1 else 0.0
+    l2 = math.sqrt(max(m2 + n * mean * mean, 0.0))
+    return {"min": lo, "max": hi, "mean": mean, "std": std, "l2": l2, "nan_count": nan, "inf_count": inf}
 
 
 def partial(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
@@ -105,15 +111,17 @@ BATCHED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """Dtypes whose equal pieces `partial_many` summarizes together (they all reduce in fp32)."""
 
 
-def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int) -> list[Partial | None]:
+def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int,
+                 whole: bool = False) -> list[Partial | dict[str, float | int | None] | None]:
     """Summaries of `count` equal, consecutive pieces of `raw` (uint8 bytes of whole elements of `dtype`, one of
     `BATCHED_DTYPES`) from a handful of batched reductions instead of a handful of torch calls per piece. Pieces
     whose spread is tiny next to their mean (BatchNorm weights, AdamW's `exp_avg_sq`) get the centred second pass
-    of `partial`, batched too. None for a piece holding a non-finite value: `partial` of that piece alone is its
-    summary."""
+    of `partial`, batched too. With `whole` (each piece is a whole tensor) the summaries are final statistics
+    (`Partial.final`'s dicts, no object per piece to merge), else Partials. None for a piece holding a non-finite
+    value: `partial` of that piece alone is its summary."""
     x = raw.view(dtype).view(count, -1)
     n = x.shape[1]
-    out: list[Partial | None] = []
+    out: list[Partial | dict[str, float | int | None] | None] = []
     isfinite = math.isfinite
     rows = max(1, _BLOCK // n)  # squares (and fp32 copies) go through reused blocks: no new pages
     for r in range(0, count, rows):
@@ -124,40 +132,36 @@ def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int) -> list[Part
         totals = sums.tolist()
         squares = torch.mul(part, part, out=_block(1, part.numel()).view(part.shape)).sum(1).tolist()
         mins, maxs = torch.aminmax(part, dim=1)
-        lows, highs = mins.tolist(), maxs.tolist()
-        first = len(out)
-        narrow: list[int] = []  # rows of this block whose one-pass m2 cancels
-        for total, sq, lo, hi in zip(totals, squares, lows, highs):
-            mean = total / n
-            m2 = sq - total * mean
+        means = [total / n for total in totals]
+        m2s = [sq - total * mean for total, sq, mean in zip(totals, squares, means)]
+        narrow = [i for i, (m2, sq) in enumerate(zip(m2s, squares)) if not m2 > _SAFE * sq]
+        if narrow:
+            _centre_rows(part, sums, narrow, means, m2s)
+        for total, sq, lo, hi, mean, m2 in zip(totals, squares, mins.tolist(), maxs.tolist(), means, m2s):
             if not (isfinite(total) and isfinite(sq) and isfinite(lo) and isfinite(hi)):
                 out.append(None)
-                continue
-            if not m2 > _SAFE * sq:
-                narrow.append(len(out) - first)
-            out.append(Partial(n=n, mean=mean, m2=m2, lo=lo, hi=hi))
-        if narrow:
-            _centre_rows(part, sums, narrow, out, first)
+            elif whole:
+                out.append(_final(n, mean, m2, lo, hi))
+            else:
+                out.append(Partial(n=n, mean=mean, m2=m2, lo=lo, hi=hi))
     return out
 
 
-def _centre_rows(part: torch.Tensor, sums: torch.Tensor, narrow: list[int], out: list[Partial | None],
-                 first: int) -> None:
-    """Recompute mean and m2 of rows `narrow` of `part` (fp32, one piece per row) centred on their fp32 means,
-    corrected by the residual sums (the shifted-data algorithm of `partial`), into `out[first + row]`. Every row
-    of the block is centred (no gathered copy of the narrow ones: no third scratch block); only `narrow` change."""
+def _centre_rows(part: torch.Tensor, sums: torch.Tensor, narrow: list[int], means: list[float],
+                 m2s: list[float]) -> None:
+    """Recompute the mean and m2 of rows `narrow` of `part` (fp32, one piece per row) centred on their fp32
+    means, corrected by the residual sums (the shifted-data algorithm of `partial`), in `means` and `m2s`. Every
+    row of the block is centred (no gathered copy of the narrow ones: no third scratch block)."""
     n = part.shape[1]
-    means = sums / n
-    d = torch.sub(part, means.unsqueeze(1), out=_block(1, part.numel()).view(part.shape))
+    centres = sums / n
+    d = torch.sub(part, centres.unsqueeze(1), out=_block(1, part.numel()).view(part.shape))
     resid = d.sum(1).tolist()
-    m2s = d.mul_(d).sum(1).tolist()
-    mean_of = means.tolist()
+    squares = d.mul_(d).sum(1).tolist()
+    centre_of = centres.tolist()
     for row in narrow:
-        p = out[first + row]
-        assert p is not None
         res = resid[row]
-        p.mean = mean_of[row] + res / n
-        p.m2 = max(m2s[row] - res * res / n, 0.0)
+        means[row] = centre_of[row] + res / n
+        m2s[row] = max(squares[row] - res * res / n, 0.0)
 
 
 _SAFE = 1e-2

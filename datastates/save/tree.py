@@ -329,6 +329,9 @@ class _Flattened:
         self.plans: dict[Any, Any] = {}
         """What later steps derive from this flatten alone and keep with it (`capture`'s slot layouts):
         valid for every save this record serves, dropped with it."""
+        self.encoded: dict[str, Any] = {}
+        """What the manifest encoder derives from the rows' constant fields (key, dtype, shape, ...) and the
+        skeleton: the same for every save this record serves, whatever the rows' sources (see `manifest.encode`)."""
         self.refs = [weakref.ref(t, on_death) for t in tensors]
         self.sigs = [_tensor_sig(t) for t in tensors]
         tensor_of = {row: i for i, row in enumerate(f.tensor_rows)}
@@ -405,19 +408,19 @@ class FlattenCache:
 
     def flatten(self, state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
         """As `flatten`; raises what it raises."""
-        tree, entries, _ = self.flatten_kept(state, allow_pickle)
+        tree, entries, _, _ = self.flatten_kept(state, allow_pickle)
         return tree, entries
 
     def flatten_kept(self, state: Any, allow_pickle: bool = False
-                     ) -> tuple[dict[str, Any], list[TensorEntry], dict[Any, Any] | None]:
+                     ) -> tuple[dict[str, Any], list[TensorEntry], dict[Any, Any] | None, dict[str, Any] | None]:
         """As `flatten`, plus on a reuse whose rows are all on the host and read only byte views the record
-        keeps, the record's `plans` (kept layouts that name those views); None otherwise. Raises what
-        `flatten` raises."""
+        keeps, the record's `plans` (kept layouts that name those views), else None; and the record's `encoded`
+        whenever the rows come from (or made) a record, else None. Raises what `flatten` raises."""
         last = self._last
         if last is not None:
             hit = last.reuse(state)
             if hit is not None:
-                return hit[0], hit[1], last.plans if last.own_sources and last.host_only else None
+                return hit[0], hit[1], last.plans if last.own_sources and last.host_only else None, last.encoded
         f = Flattener(allow_pickle)
         tree = f.flatten(state)
         _renumber(tree, f.tensor_rows)
@@ -432,7 +435,8 @@ class FlattenCache:
             # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
             if _walk(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
                 self._last = _Flattened(tree, f, tensors, self._forget)
-        return tree, f.entries, None
+                return tree, f.entries, None, self._last.encoded
+        return tree, f.entries, None, None
 
     def clear(self) -> None:
         """Drop the kept flatten (and with it every reference to the state's storages)."""
