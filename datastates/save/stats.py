@@ -131,7 +131,9 @@ def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int,
         sums = part.sum(1)
         totals = sums.tolist()
         squares = torch.mul(part, part, out=_block(1, part.numel()).view(part.shape)).sum(1).tolist()
-        mins, maxs = torch.aminmax(part, dim=1)
+        # amin and amax, not aminmax(dim=1): on CPU the latter is ~18x slower per row block (600 vs 32 us
+        # for 64 x 4,096 fp32 in torch 2.13), and it was most of a small-tensor save's statistics time.
+        mins, maxs = part.amin(1), part.amax(1)
         means = [total / n for total in totals]
         m2s = [sq - total * mean for total, sq, mean in zip(totals, squares, means)]
         narrow = [i for i, (m2, sq) in enumerate(zip(m2s, squares)) if not m2 > _SAFE * sq]
