@@ -114,3 +114,36 @@ def test_the_workers_hash_ahead_while_the_writer_writes(tmp_path: Path, monkeypa
     for k, t in state.items():
         assert torch.equal(back[k], t)
     assert np.array_equal(back["big"].numpy(), np.arange(chunk, dtype=np.float32))
+
+
+def test_the_writer_asks_the_catalog_only_about_chunks_the_workers_found(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The hashing workers look every chunk up; the pipeline thread only confirms (and pins) the ones found.
+    from datastates.objects.object_store import ObjectStore
+
+    asked: list[tuple[str, int, bool]] = []
+    real = ObjectStore.dedup
+
+    def dedup(self: Any, pins: Any, cids: list[bytes]) -> list[bool]:
+        asked.append((threading.current_thread().name, len(cids), pins is not None))
+        return real(self, pins, cids)
+
+    monkeypatch.setattr(ObjectStore, "dedup", dedup)
+    g = torch.Generator().manual_seed(3)
+    st = {f"t{i:03d}": torch.randn(1024, generator=g) for i in range(300)}
+    with ds.Store.open(tmp_path / "s") as store:
+        v1 = store.save(st)
+        writer = [n for name, n, _ in asked if name == "datastates-pipeline"]
+        workers = sum(n for name, n, _ in asked if name.startswith("datastates-hash"))
+        assert (sum(writer), workers) == (0, 300)  # all new: no lookup on the writer's thread
+        asked.clear()
+        st["t007"].add_(1)
+        v2 = store.save(st)
+        writer_calls = [(n, pinned) for name, n, pinned in asked if name == "datastates-pipeline"]
+        workers = sum(n for name, n, _ in asked if name.startswith("datastates-hash"))
+        assert workers == 300 and sum(n for n, _ in writer_calls) == 299  # the 299 unchanged, confirmed
+        assert all(pinned for _, pinned in writer_calls)  # with the job: its packs pinned
+        assert store.version(v2).bytes_new == 4096
+        back = store.load(v2)
+    assert all(torch.equal(back[k], st[k]) for k in st)
+    assert v1.id != v2.id

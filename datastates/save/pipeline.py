@@ -40,7 +40,8 @@ while the writer writes in order; bytes, not slots, since one big slot may take 
 
 Stats = Partial | dict[str, Any] | None
 """A piece's statistics: computed (Partial), known from an earlier save of the same bytes (dict), or none."""
-Hashed = list[tuple[bytes, Stats, bytes | None]]
+Hashed = list[tuple[bytes, Stats, bytes | None, bool]]
+"""Per piece: chunk id, statistics, compressed bytes (or None), and whether the catalog had the chunk when hashed."""
 
 
 def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
@@ -51,8 +52,10 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     out = []
     arr = slot.buf.numpy()
     cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
-    # Compress only what will be written: a chunk the store has is skipped by the writer anyway.
-    stored = has_chunks(cids) if zstd_level and has_chunks is not None else [False] * len(cids)
+    # Ask the catalog here, beside the hashing, not on the writer's thread: a save of thousands of new chunks
+    # then costs the writer no lookup at all (they were ~20 % of its time); it confirms only the chunks found
+    # here (and pins their packs). Also, compress only what will be written.
+    stored = has_chunks(cids) if has_chunks is not None else [False] * len(cids)
     stats = _slot_stats(slot, entries, cids, known)
     for p, cid, have, st in zip(slot.pieces, cids, stored, stats):
         mv = arr[p.start:p.start + p.length].data
@@ -63,7 +66,7 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
             z = zstandard.ZstdCompressor(level=zstd_level).compress(mv)
             if len(z) < p.length * 0.95:
                 packed = z
-        out.append((cid, st, packed))
+        out.append((cid, st, packed, have))
     return out
 
 
@@ -223,11 +226,15 @@ class Pipeline:
     def _write(self, job: SaveJob, slot: Slot, fut: Future[Hashed]) -> None:
         try:
             results = fut.result()
-            known = self._has_chunks(job, [cid for cid, _, _ in results])
+            # What the workers found stored, confirmed (and pinned) now: a chunk gone since is written again;
+            # one stored since by another writer is written twice, which costs only its bytes.
+            maybe = [cid for cid, _, _, stored in results if stored]
+            known = dict(zip(maybe, self._has_chunks(job, maybe))) if maybe else {}
             arr = slot.buf.numpy()
             run: list[tuple[Piece, bytes]] = []  # new raw chunks back to back in the slot: written together
             pending: set[bytes] = set()
-            for piece, (cid, st, packed), have in zip(slot.pieces, results, known):
+            for piece, (cid, st, packed, stored) in zip(slot.pieces, results):
+                have = stored and known[cid]
                 e = job.entries[piece.row]
                 e.chunks.append(cid)
                 if isinstance(st, dict):
