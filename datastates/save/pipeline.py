@@ -39,7 +39,8 @@ while the writer writes in order; bytes, not slots, since one big slot may take 
 (one slot ahead ran a save at one hashing core's speed; docs/perf-notes.md "Hashing ahead")."""
 
 Stats = Partial | dict[str, Any] | None
-"""A piece's statistics: computed (Partial), known from an earlier save of the same bytes (dict), or none."""
+"""A piece's statistics: a mergeable summary (Partial), final statistics (dict: a whole tensor summarized in a
+batched run, or known from an earlier save of the same bytes), or none."""
 Hashed = list[tuple[bytes, Stats, bytes | None, bool]]
 """Per piece: chunk id, statistics, compressed bytes (or None), and whether the catalog had the chunk when hashed."""
 

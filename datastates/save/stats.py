@@ -168,7 +168,8 @@ def _centre_rows(part: torch.Tensor, sums: torch.Tensor, narrow: list[int], mean
 
 _SAFE = 1e-2
 """Above this share of sum(x^2) the one-pass m2 keeps >= ~4 significant digits of the std in fp32
-(the error of sum(x^2) is a few ulps of it); below, `partial` recomputes m2 centred."""
+(the error of sum(x^2) is a few ulps of it); below, `partial` (and `_centre_rows` for a batched run) recomputes
+m2 centred."""
 
 _BLOCK = 1 << 18
 _scratch = threading.local()
