@@ -269,7 +269,7 @@ class Store(Queries):
         self.repo.closed = True
         try:
             self._saver.flattener.clear()  # no reference to the caller's storages outlives the store
-            self.pipeline.stop()
+            self._saver.stop()
             if self.flusher is not None:
                 self.flusher.stop(drain=True)
         finally:

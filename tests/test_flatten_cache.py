@@ -337,12 +337,12 @@ def test_an_empty_tensor_keeps_the_layout_and_every_save_loads_back(tmp_path: Pa
 
 
 def test_known_stats_are_looked_up_when_asked_and_only_for_one_chunk_of_the_same_dtype() -> None:
-    from datastates.save.job import KnownStats
+    from datastates.save.job import KnownStats, SaveHandle, SaveJob
 
     rows = [TensorEntry("a", torch.float32, (4,), "cpu", "tensor"), TensorEntry("b", torch.float32, (4,), "cpu",
             "tensor"), TensorEntry("a", torch.float32, (4,), "cpu", "alias", base=0)]
     last: dict[str, Any] = {}
-    known = KnownStats(rows, last, 1024)
+    known = KnownStats(SaveJob({}, rows, {}, SaveHandle(), 1024), last, 1024)
     assert known.get(0) is None
     rec = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"x" * 32], {"mean": 1.0}, 1024)
     last["a"] = rec  # committed after the job was made: seen, the stats are those of the bytes the id names

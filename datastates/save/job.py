@@ -10,12 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..base.collector import paused
 from ..errors import DataStatesError, SaveFailedError
 from ..objects.chunks import ChunkLocation
 from ..objects.packs import PackWriter
 from .buffers import Slot
 from .stats import Partial
-from .tree import TensorEntry
+from .tree import Rows, TensorEntry
 
 if TYPE_CHECKING:
     from ..meta.versions import Version
@@ -100,13 +101,13 @@ class KnownStats:
     (no copy, no object per row); a record committed after this save was submitted serves as well, since the
     stats are those of the bytes the chunk id names."""
 
-    __slots__ = ("_entries", "_last_saved", "_chunk_size")
+    __slots__ = ("_job", "_last_saved", "_chunk_size")
 
-    def __init__(self, entries: list[TensorEntry], last_saved: dict[str, Reused], chunk_size: int) -> None:
-        self._entries, self._last_saved, self._chunk_size = entries, last_saved, chunk_size
+    def __init__(self, job: SaveJob, last_saved: dict[str, Reused], chunk_size: int) -> None:
+        self._job, self._last_saved, self._chunk_size = job, last_saved, chunk_size
 
     def get(self, row: int) -> Reused | None:
-        e = self._entries[row]
+        e = self._job.entries[row]
         if e.kind != "tensor":
             return None
         last = self._last_saved.get(e.key)
@@ -120,7 +121,8 @@ class SaveJob:
     """One save moving through the pipeline."""
 
     tree: dict[str, Any]
-    entries: list[TensorEntry]
+    rows: Rows
+    """The rows, or until first asked for (`entries`), a function that makes them."""
     request: dict[str, Any]
     handle: SaveHandle
     chunk_size: int
@@ -150,3 +152,35 @@ class SaveJob:
     """The kept flatten's `encoded` when the rows came from one: the manifest's constant columns, encoded once."""
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""
+    _keep_sources: bool = True
+
+    @property
+    def entries(self) -> list[TensorEntry]:
+        """The rows, made on first use by whichever thread asks first (the pipeline's, for a `save_async` of a
+        cached flatten: off the caller's time)."""
+        rows = self.rows
+        if isinstance(rows, list):
+            return rows
+        with _ROWS_LOCK:
+            if not isinstance(self.rows, list):
+                with paused():  # thousands of objects at once, as in the caller's flatten (see `Saver.submit`)
+                    made = self.rows()
+                self.rows = made
+                # After publishing them, as `drop_sources` sets the flag before looking: one of us drops them.
+                if not self._keep_sources:
+                    for e in made:
+                        e.source = None
+            return self.rows
+
+    def drop_sources(self) -> None:
+        """Forget the caller's tensors (the capture is over): now on rows already made, or on those made later.
+        Never waits for rows being made."""
+        self._keep_sources = False
+        rows = self.rows
+        if isinstance(rows, list):
+            for e in rows:
+                e.source = None
+
+
+_ROWS_LOCK = threading.Lock()
+"""Guards the making of a job's rows; taken only while a job's rows are not made yet."""

@@ -229,6 +229,7 @@ class Pipeline:
             results = fut.result()
             # What the workers found stored, confirmed (and pinned) now: a chunk gone since is written again;
             # one stored since by another writer is written twice, which costs only its bytes.
+            entries = job.entries
             maybe = [cid for cid, _, _, stored in results if stored]
             known = dict(zip(maybe, self._has_chunks(job, maybe))) if maybe else {}
             arr = slot.buf.numpy()
@@ -236,7 +237,7 @@ class Pipeline:
             pending: set[bytes] = set()
             for piece, (cid, st, packed, stored) in zip(slot.pieces, results):
                 have = stored and known[cid]
-                e = job.entries[piece.row]
+                e = entries[piece.row]
                 e.chunks.append(cid)
                 if isinstance(st, dict):
                     e.stats = dict(st)

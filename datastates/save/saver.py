@@ -23,6 +23,7 @@ from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, capture
 from .collective import plan
+from .copier import Copier
 from .job import KnownStats, Reused, SaveHandle, SaveJob
 from .pipeline import Pipeline
 from .tree import FlattenCache
@@ -42,6 +43,7 @@ class Saver:
                                  on_error=on_error, guard=guard)
         self.last_saved: dict[str, Reused] = {}
         self._capture_order = CaptureOrder()
+        self.copier = Copier()
         self.flattener = FlattenCache()
         self._cuda_stream: Any = None
         self._step_hooks: weakref.WeakKeyDictionary[Any, list[SaveHandle]] = weakref.WeakKeyDictionary()
@@ -66,17 +68,22 @@ class Saver:
     def _submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                 optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
                 t_call: float, comm: Comm | None, replicated: list[str] | None) -> SaveHandle:
-        tree, entries, plans, encoded = self.flattener.flatten_kept(state, allow_pickle=allow_pickle)
-        dist = plan(entries, replicated or [], comm) if comm is not None and comm.size > 1 else None
+        collective = comm is not None and comm.size > 1
+        # Rows the caller needs now (a collective plan, reuse_unchanged) are made now; otherwise the pipeline
+        # makes them, if the flatten was a cached one.
+        tree, rows, plans, encoded = self.flattener.flatten_kept(state, allow_pickle=allow_pickle,
+                                                                 defer=not (collective or reuse_unchanged))
         handle = SaveHandle()
-        job = SaveJob(tree, entries, request, handle, self.chunk_size, t0=t_call,
-                      ticket=self._capture_order.ticket(), dist=dist, encoded=encoded)
-        if dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
+        job = SaveJob(tree, rows, request, handle, self.chunk_size, t0=t_call,
+                      ticket=self._capture_order.ticket(), encoded=encoded)
+        if comm is not None and collective:
+            job.dist = plan(job.entries, replicated or [], comm)
+        if job.dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
             plans = None  # rows without their source now: a kept layout would copy them
-        job.known_stats = KnownStats(entries, self.last_saved, self.chunk_size)
+        job.known_stats = KnownStats(job, self.last_saved, self.chunk_size)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
-        stream = None if plans is not None else self._stream_for(entries)  # kept layouts are host-only
+        stream = None if plans is not None else self._stream_for(job.entries)  # kept layouts are host-only
         self.pipeline.submit(job)
         if lazy:
             if optimizer is not None:
@@ -85,9 +92,15 @@ class Saver:
                              daemon=True).start()
         else:
             # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
-            capture(job, self.pool, stream, self._capture_order, borrow=overlap and dist is None, plans=plans)
+            capture(job, self.pool, stream, self._capture_order, borrow=overlap and job.dist is None, plans=plans,
+                    copier=self.copier)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
+
+    def stop(self) -> None:
+        """Finish every job in flight, then end the pipeline's and the copier's threads."""
+        self.pipeline.stop()
+        self.copier.stop()
 
     def remember(self, job: SaveJob) -> None:
         """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`. Keeps the
@@ -134,7 +147,7 @@ class Saver:
 
     def _capture_quietly(self, job: SaveJob, stream: Any, plans: dict[Any, Any] | None) -> None:
         try:
-            capture(job, self.pool, stream, self._capture_order, plans=plans)
+            capture(job, self.pool, stream, self._capture_order, plans=plans, copier=self.copier)
         except BaseException:
             pass  # reported through the handle by the pipeline
 
