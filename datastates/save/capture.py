@@ -113,10 +113,11 @@ _BATCH_BYTES = 1 << 20
 """Host pieces of a slot are copied in batches of about this many bytes (one `split` and one `_foreach_copy_`
 each)."""
 
-_SHARED_BELOW = 1 << 15
-"""Batches of pieces all smaller than this are shared with the copier: torch copies a piece of at least 32,768
-bytes (its grain, in elements of our uint8 views) on its own intra-op threads already, and a second thread
-copying beside them made `cnn` and `transformer` captures slower (0.014 -> 0.018 s)."""
+_SHARED_BELOW = 1 << 17
+"""Batches of pieces all smaller than this are shared with the copier; bigger pieces are copied by the caller,
+on torch's own intra-op threads. Small x1's 64 KiB tensors gained from sharing (blocking part 0.086 -> 0.063-0.067
+s), `cnn` and `transformer` moved within noise with this bound and with 1 MiB; 32 KiB (torch's grain, in elements
+of our uint8 views) left small x1 unshared (docs/perf-notes.md)."""
 
 
 class SlotPlan:
