@@ -250,3 +250,25 @@ def test_load_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> No
         finally:
             gc.callbacks.remove(seen)
     assert len(got) == 3000 and torch.equal(got["t2999"], st["t2999"]) and torch.equal(again["t7"], st["t7"])
+
+
+_EVERY_DTYPE = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64, torch.int8,
+                torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16, torch.bool, torch.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", _EVERY_DTYPE, ids=str)
+@pytest.mark.parametrize("shape", [(3, 5), (), (0, 4)], ids=str)
+def test_an_empty_row_is_a_tensor_whose_bytes_the_flat_array_views(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    from types import SimpleNamespace
+
+    from datastates.repo import reader
+
+    n = torch.empty(shape, dtype=dtype).nbytes
+    row = {"key": "w", "dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "nbytes": n}
+    out, flat = reader._empty_row(SimpleNamespace(id="ab" * 32), row)  # type: ignore[arg-type]
+    assert out.dtype == dtype and tuple(out.shape) == shape and flat.dtype == "uint8" and flat.size == n
+    want = bytes(range(1, n + 1))  # numpy and torch path alike: writing the array writes the tensor
+    flat[:] = list(want)
+    assert out.reshape(-1).view(torch.uint8).numpy().tobytes() == want
+    with pytest.raises(ds.IntegrityError, match="'w' in manifest abababababab: .* run `datastates fsck`"):
+        reader._empty_row(SimpleNamespace(id="ab" * 32), {**row, "nbytes": n + 1})  # type: ignore[arg-type]

@@ -267,13 +267,14 @@ class ObjectStore:
         i = 0
         for cids, arr, key in items:
             pos = 0
+            whole = len(cids) == 1  # one chunk, the whole array (a small tensor): no slice object to make
             for cid in cids:
                 loc = locs[i]
                 i += 1
                 if loc is None:
                     raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; "
                                         "run `datastates fsck`")
-                view = arr[pos:pos + loc.raw_length].data
+                view = arr.data if whole and loc.raw_length == arr.size else arr[pos:pos + loc.raw_length].data
                 if len(view) != loc.raw_length:
                     raise IntegrityError(f"tensor {key!r}: its chunks hold more bytes than its shape and dtype; "
                                          "run `datastates fsck`")

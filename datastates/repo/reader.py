@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from concurrent.futures import Executor
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..base.collector import paused
@@ -73,12 +74,13 @@ def _load(repo: Repository, ref: Any, keys: Iterable[str] | None, dev: torch.dev
     for i in named:
         want(i)
     loaded = _read_rows(repo, m, [i for i in wanted if m.row(i)["kind"] in ("tensor", "storage")], executor)
-    out: dict[int, torch.Tensor] = {}
+    # The rows read are the bases of the others (aliases name a tensor row, views a storage row).
+    out = loaded if dev.type == "cpu" else {i: t.to(dev) for i, t in loaded.items()}
     for i in wanted:
+        if i in out:
+            continue
         r = m.row(i)
-        if r["kind"] in ("tensor", "storage"):
-            out[i] = loaded[i].to(dev) if dev.type != "cpu" else loaded[i]
-        elif r["kind"] == "alias":
+        if r["kind"] == "alias":
             out[i] = out[r["base"]]
         else:
             dt = dtype_from_name(r["dtype"])
@@ -116,21 +118,31 @@ def _read_rows(repo: Repository, m: Manifest, rows: list[int], executor: Executo
     out: dict[int, torch.Tensor] = {}
     items = []
     for i in rows:
-        t, flat = _empty_row(m, i)
-        out[i] = t
         r = m.row(i)
-        items.append((r["chunks"], flat.numpy(), r["key"]))
+        out[i], flat = _empty_row(m, r)
+        items.append((r["chunks"], flat, r["key"]))
     repo.objects.read_many_into(items, executor)
     return out
 
 
-def _empty_row(m: Manifest, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """An uninitialised tensor for row `i` of `m` and a flat uint8 view of its bytes.
+_NUMPY = frozenset((torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128, torch.int8,
+                    torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool))
+"""Dtypes whose tensors `Tensor.numpy` views: their bytes are viewed through numpy, ~1 us less per tensor than
+torch's reshape and view (thousands of small tensors per load)."""
+
+
+def _empty_row(m: Manifest, r: dict[str, Any]) -> tuple[torch.Tensor, np.ndarray[Any, Any]]:
+    """An uninitialised tensor for row `r` of `m` and a flat uint8 array viewing its bytes.
     Raises IntegrityError when the row's byte count does not fit its dtype and shape."""
-    r = m.row(i)
-    out = torch.empty(r["shape"], dtype=dtype_from_name(r["dtype"]))
-    flat = out.reshape(-1).view(torch.uint8) if out.numel() else torch.empty(0, dtype=torch.uint8)
-    if flat.numel() != r["nbytes"]:
+    dtype = dtype_from_name(r["dtype"])
+    out = torch.empty(r["shape"], dtype=dtype)
+    if not out.numel():
+        flat = np.empty(0, dtype=np.uint8)
+    elif dtype in _NUMPY:
+        flat = out.numpy().reshape(-1).view(np.uint8)
+    else:
+        flat = out.reshape(-1).view(torch.uint8).numpy()
+    if flat.size != r["nbytes"]:
         raise IntegrityError(f"tensor {r['key']!r} in manifest {m.id[:12]}: {r['nbytes']} bytes stored for "
                              f"dtype {r['dtype']} shape {r['shape']}; run `datastates fsck`")
     return out, flat
@@ -138,9 +150,9 @@ def _empty_row(m: Manifest, i: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def read_row(repo: Repository, m: Manifest, i: int) -> torch.Tensor:
     """Tensor row `i` of manifest `m`, read and verified. Raises IntegrityError, NotFoundError."""
-    out, flat = _empty_row(m, i)
     r = m.row(i)
-    repo.objects.read_chunks_into(r["chunks"], flat.numpy(), r["key"])
+    out, flat = _empty_row(m, r)
+    repo.objects.read_chunks_into(r["chunks"], flat, r["key"])
     return out
 
 
