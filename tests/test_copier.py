@@ -86,7 +86,8 @@ def test_captures_shared_with_the_copier_load_back_exactly(tmp_path: Path, monke
     st = _small_state()
     nbytes = sum(t.numel() * t.element_size() for t in st.values())
     with ds.Store.open(tmp_path / "s") as store:
-        versions, expected = [], []
+        versions: list[Any] = []
+        expected = []
         for _ in range(3):  # a fresh flatten, then a kept one, then its kept layout
             versions.append(store.save(st) if sync else store.save_async(st))
             expected.append({k: v.clone() for k, v in st.items()})
@@ -140,3 +141,23 @@ def test_save_async_of_a_cached_state_makes_its_rows_on_the_pipeline(tmp_path: P
     assert made_on == ["MainThread", "datastates-pipeline", "MainThread"]
     assert torch.equal(first["a"], torch.zeros(1000)) and torch.equal(second["a"], torch.full((1000,), 5.0))
     assert torch.equal(second["b"], torch.ones(1000))
+
+
+def test_finished_saves_leave_no_job_for_the_collector(tmp_path: Path) -> None:
+    import gc
+
+    from datastates.save.job import SaveJob
+
+    st = {f"t{i}": torch.randn(100) for i in range(50)}
+    was = gc.isenabled()
+    gc.disable()  # a job in a reference cycle would stay until the collector runs: count what refcounting left
+    try:
+        with ds.Store.open(tmp_path / "s") as store:
+            for _ in range(4):
+                store.save(st)
+                store.save_async(st).result()
+            alive = sum(1 for o in gc.get_objects() if type(o) is SaveJob)
+    finally:
+        if was:
+            gc.enable()
+    assert alive <= 1  # at most the last one, still named by a local of the pipeline thread's loop

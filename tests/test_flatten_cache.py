@@ -342,7 +342,8 @@ def test_known_stats_are_looked_up_when_asked_and_only_for_one_chunk_of_the_same
     rows = [TensorEntry("a", torch.float32, (4,), "cpu", "tensor"), TensorEntry("b", torch.float32, (4,), "cpu",
             "tensor"), TensorEntry("a", torch.float32, (4,), "cpu", "alias", base=0)]
     last: dict[str, Any] = {}
-    known = KnownStats(SaveJob({}, rows, {}, SaveHandle(), 1024), last, 1024)
+    job = SaveJob({}, rows, {}, SaveHandle(), 1024)
+    known = KnownStats(job, last, 1024)
     assert known.get(0) is None
     rec = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"x" * 32], {"mean": 1.0}, 1024)
     last["a"] = rec  # committed after the job was made: seen, the stats are those of the bytes the id names
@@ -353,6 +354,9 @@ def test_known_stats_are_looked_up_when_asked_and_only_for_one_chunk_of_the_same
     assert known.get(1) is None
     last["b"] = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32], {}, 2048)  # another chunk size
     assert known.get(1) is None
+    assert known.get(0) is rec
+    del job  # the job holds its KnownStats, not the other way round: nothing is known for a job gone
+    assert known.get(0) is None
 
 
 def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp_path: Path) -> None:
@@ -369,7 +373,7 @@ def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp
     for step in (0, 0, 1, 2):
         st["step"] = step
         tree, rows, _, kept = cache.flatten_kept(st)
-        assert kept is not None
+        assert kept is not None and isinstance(rows, list)
         kept_seen.append(kept)
         for i, e in enumerate(rows):
             e.chunks, e.stats = [bytes([i]) * 32], {"min": float(i), "nan_count": 0}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -104,10 +105,15 @@ class KnownStats:
     __slots__ = ("_job", "_last_saved", "_chunk_size")
 
     def __init__(self, job: SaveJob, last_saved: dict[str, Reused], chunk_size: int) -> None:
-        self._job, self._last_saved, self._chunk_size = job, last_saved, chunk_size
+        # A weak reference: the job holds this, and a cycle would keep every finished job (its rows, chunk
+        # lists, stats) alive until the cyclic collector runs, instead of freeing it when the pipeline is done.
+        self._job, self._last_saved, self._chunk_size = weakref.ref(job), last_saved, chunk_size
 
     def get(self, row: int) -> Reused | None:
-        e = self._job.entries[row]
+        job = self._job()
+        if job is None:
+            return None
+        e = job.entries[row]
         if e.kind != "tensor":
             return None
         last = self._last_saved.get(e.key)
