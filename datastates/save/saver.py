@@ -92,8 +92,10 @@ class Saver:
                              daemon=True).start()
         else:
             # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
+            # A sync save's copies race its hashing workers for the cores, and a faster capture only fills more of
+            # the pool ahead of the writer (small x1: 176 -> 400 MiB of slots): the copier serves the others.
             capture(job, self.pool, stream, self._capture_order, borrow=overlap and job.dist is None, plans=plans,
-                    copier=self.copier)
+                    copier=None if overlap else self.copier)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
 
