@@ -68,16 +68,16 @@ class Saver:
     def _submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                 optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
                 t_call: float, comm: Comm | None, replicated: list[str] | None) -> SaveHandle:
-        collective = comm is not None and comm.size > 1
+        group = comm if comm is not None and comm.size > 1 else None  # a collective save's ranks
         # Rows the caller needs now (a collective plan, reuse_unchanged) are made now; otherwise the pipeline
         # makes them, if the flatten was a cached one.
         tree, rows, plans, encoded = self.flattener.flatten_kept(state, allow_pickle=allow_pickle,
-                                                                 defer=not (collective or reuse_unchanged))
+                                                                 defer=group is None and not reuse_unchanged)
         handle = SaveHandle()
         job = SaveJob(tree, rows, request, handle, self.chunk_size, t0=t_call,
                       ticket=self._capture_order.ticket(), encoded=encoded)
-        if comm is not None and collective:
-            job.dist = plan(job.entries, replicated or [], comm)
+        if group is not None:
+            job.dist = plan(job.entries, replicated or [], group)
         if job.dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
             plans = None  # rows without their source now: a kept layout would copy them
         job.known_stats = KnownStats(job, self.last_saved, self.chunk_size)
