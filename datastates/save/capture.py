@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..objects.chunks import spans
-from .buffers import _ALIGN, BufferPool, Piece, Slot
+from .buffers import _ALIGN, BufferPool, InPlace, Piece, Slot
 from .copier import Copier
 from .job import SaveJob
 from .tree import TensorEntry
@@ -56,9 +56,12 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
     """Copy every stored byte of the job into pool slots, handing each full slot to the pipeline.
 
     With `borrow` (a synchronous save: the caller waits until the version is durable, so its
-    tensors cannot change under us) a host tensor of at least `BORROW_MIN` bytes is handed over in
-    place, as a slot of its own that is never pooled: hashing, statistics and the pack write read
-    the caller's memory, and a chunk the store already has costs no copy at all.
+    tensors cannot change under us) nothing on the host is copied here. A host tensor of at least
+    `BORROW_MIN` bytes is handed over in place, as a slot of its own that is never pooled: hashing,
+    statistics and the pack write read the caller's memory. Smaller ones are laid out in pool slots as
+    usual, but the slots go on unfilled (`Slot.in_place`): the hashing worker reads the pieces where
+    they lie and copies into the slot only those it must summarize or write. Either way a chunk the
+    store already has (and whose statistics are known) costs no copy at all.
 
     The job is laid out first (`plan`: which piece goes where in which slot) and then copied slot by slot;
     CUDA pieces are copied on `cuda_stream`; host pieces share their copies with `copier` when given. `plans`,
@@ -85,11 +88,14 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
             slot, w = pool.acquire(job.go.set)
             waited += w
             slot.pieces, slot.used = step.pieces, step.used
-            try:
-                step.copy_into(slot.buf, cuda_stream, copier)
-            except BaseException:
-                pool.release(slot)
-                raise
+            if step.in_place is not None:
+                slot.in_place, slot.filled = step.in_place, bytearray(len(step.pieces))
+            else:
+                try:
+                    step.copy_into(slot.buf, cuda_stream, copier)
+                except BaseException:
+                    pool.release(slot)
+                    raise
             _hand_over(job, slot, cuda_stream)
         if cuda_stream is not None:
             # Later kernels on the caller's stream (optimizer steps) wait for our copies.
@@ -125,13 +131,16 @@ class SlotPlan:
     own bytes, read in place). Read-only once made: the pieces list is handed to every slot made from this
     plan, and the pipeline only reads it."""
 
-    __slots__ = ("pieces", "used", "borrowed", "_batches", "_shared", "_cuda")
+    __slots__ = ("pieces", "used", "borrowed", "in_place", "_batches", "_shared", "_cuda")
 
     def __init__(self, pieces: list[Piece], used: int, borrowed: torch.Tensor | None = None,
-                 batch: list[tuple[int, int, torch.Tensor]] | None = None) -> None:
+                 batch: list[tuple[int, int, torch.Tensor]] | None = None, in_place: InPlace | None = None
+                 ) -> None:
         self.pieces = pieces
         self.used = used
         self.borrowed = borrowed
+        self.in_place = in_place
+        """Set for a synchronous save's slot of host pieces: handed on unfilled (see `capture`)."""
         batch = batch or []
         self._cuda = [b for b in batch if b[2].is_cuda]
         host = [b for b in batch if not b[2].is_cuda] if self._cuda else batch
@@ -210,6 +219,13 @@ def plan(entries: list[TensorEntry], chunk_size: int, slot_bytes: int, borrow: b
     steps: list[SlotPlan] = []
     pieces: list[Piece] | None = None
     batch: list[tuple[int, int, torch.Tensor]] = []
+    sources: list[torch.Tensor | None] = []  # per piece, for a slot read in place
+    host = True  # no CUDA piece in the slot so far
+
+    def close() -> None:
+        assert pieces is not None
+        steps.append(SlotPlan(pieces, used, batch=batch, in_place=InPlace(sources) if borrow and host else None))
+
     used = 0
     for row, e in enumerate(entries):
         src = e.source
@@ -226,14 +242,17 @@ def plan(entries: list[TensorEntry], chunk_size: int, slot_bytes: int, borrow: b
             n = b - a
             if pieces is None or used + n > slot_bytes:
                 if pieces is not None:
-                    steps.append(SlotPlan(pieces, used, batch=batch))
-                pieces, batch, used = [], [], 0
+                    close()
+                pieces, batch, sources, host, used = [], [], [], True, 0
+            view = src if n == nbytes else src[a:b]
             if n:
-                batch.append((used, n, src if n == nbytes else src[a:b]))
+                batch.append((used, n, view))
+            sources.append(view if n else None)
+            host = host and not src.is_cuda
             pieces.append(Piece(row, used, n))
             used += -(-n // _ALIGN) * _ALIGN
     if pieces is not None:
-        steps.append(SlotPlan(pieces, used, batch=batch))
+        close()
     return steps
 
 

@@ -52,29 +52,38 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
         slot.event.synchronize()
     out = []
     arr = slot.buf.numpy()
-    cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
+    if slot.in_place is not None:
+        cids = list(map(chunk_id, slot.in_place.views()))
+    else:
+        cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
     # Ask the catalog here, beside the hashing, not on the writer's thread: a save of thousands of new chunks
     # then costs the writer no lookup at all (they were ~20 % of its time); it confirms only the chunks found
     # here (and pins their packs). Also, compress only what will be written.
     stored = has_chunks(cids) if has_chunks is not None else [False] * len(cids)
-    stats = _slot_stats(slot, entries, cids, known)
+    kinds = [entries[p.row].kind for p in slot.pieces]
+    found = [_known(known, entries, p, cid) if kind == "tensor" else None
+             for p, cid, kind in zip(slot.pieces, cids, kinds)]
+    if slot.in_place is not None:
+        # Copy what will be written (new here) or summarized (a tensor's stats not known from its last save).
+        slot.fill([i for i, (have, kind, k) in enumerate(zip(stored, kinds, found))
+                   if not have or (kind == "tensor" and k is None)])
+    stats = _slot_stats(slot, entries, found)
     for p, cid, have, st in zip(slot.pieces, cids, stored, stats):
-        mv = arr[p.start:p.start + p.length].data
         packed = None
         if zstd_level and p.length >= 4096 and not have:
             import zstandard
 
-            z = zstandard.ZstdCompressor(level=zstd_level).compress(mv)
+            z = zstandard.ZstdCompressor(level=zstd_level).compress(arr[p.start:p.start + p.length].data)
             if len(z) < p.length * 0.95:
                 packed = z
         out.append((cid, st, packed, have))
     return out
 
 
-def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
-                known: KnownStats | None) -> list[Stats]:
-    """The statistics of each piece of `slot`: known from an earlier save of the same bytes, or computed; runs
-    of equal, adjacent pieces of one float dtype (thousands of small tensors) are summarized together."""
+def _slot_stats(slot: Slot, entries: list[TensorEntry], found: list[dict[str, Any] | None]) -> list[Stats]:
+    """The statistics of each piece of `slot`: known from an earlier save of the same bytes (`found`, per
+    piece), or computed; runs of equal, adjacent pieces of one float dtype (thousands of small tensors) are
+    summarized together."""
     out: list[Stats] = [None] * len(slot.pieces)
     run: list[int] = []  # indices of adjacent pieces of one batchable dtype and one length
 
@@ -94,13 +103,12 @@ def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
                 out[i] = partial(slot.buf[p.start:p.start + p.length], entries[p.row].dtype)
         run.clear()
 
-    for i, (p, cid) in enumerate(zip(slot.pieces, cids)):
+    for i, (p, k) in enumerate(zip(slot.pieces, found)):
         e = entries[p.row]
         if e.kind != "tensor":
             continue
-        k = known.get(p.row) if known is not None else None
-        if k is not None and k[1][0] == cid and p.length == e.nbytes:
-            out[i] = k[2]
+        if k is not None:
+            out[i] = k
             continue
         if run:
             last = slot.pieces[run[-1]]
@@ -114,6 +122,15 @@ def _slot_stats(slot: Slot, entries: list[TensorEntry], cids: list[bytes],
     return out
 
 
+def _known(known: KnownStats | None, entries: list[TensorEntry], p: Piece, cid: bytes) -> dict[str, Any] | None:
+    """The statistics of piece `p` if it is a whole tensor whose bytes (`cid`) the store last saved under its
+    key, else None."""
+    k = known.get(p.row) if known is not None else None
+    if k is not None and k[1][0] == cid and p.length == entries[p.row].nbytes:
+        return k[2]
+    return None
+
+
 class Pipeline:
     """The background half: one thread that takes jobs in order, plus hashing workers."""
 
@@ -121,8 +138,13 @@ class Pipeline:
                  has_chunks: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], pool: BufferPool, workers: int = 2, zstd_level: int = 0,
                  pack_bytes: int = 1 << 31, on_error: Callable[[SaveJob, BaseException], None] | None = None,
-                 guard: Callable[[], Any] | None = None) -> None:
+                 guard: Callable[[], Any] | None = None, confirm_found: bool = True) -> None:
         self._guard = guard
+        self.confirm_found = confirm_found
+        """Whether a chunk the hashing workers found stored must be looked up again (and pinned) by the writer.
+        Needed where chunks can leave while a job runs (eviction from a hot tier); without tiers nothing
+        removes a chunk while a job holds `guard` (gc and repair take the tier's exclusive lock), so the
+        workers' answer stands, and a save finding 7,200 chunks stored skips as many lookups."""
         self._commit = commit
         self._has_chunks = has_chunks
         self._new_pack = new_pack
@@ -227,16 +249,17 @@ class Pipeline:
     def _write(self, job: SaveJob, slot: Slot, fut: Future[Hashed]) -> None:
         try:
             results = fut.result()
-            # What the workers found stored, confirmed (and pinned) now: a chunk gone since is written again;
-            # one stored since by another writer is written twice, which costs only its bytes.
+            # What the workers found stored, confirmed (and pinned) now when chunks may go meanwhile (see
+            # `confirm_found`): a chunk gone since is written again; one stored since by another writer is
+            # written twice, which costs only its bytes.
             entries = job.entries
-            maybe = [cid for cid, _, _, stored in results if stored]
+            maybe = [cid for cid, _, _, stored in results if stored] if self.confirm_found else []
             known = dict(zip(maybe, self._has_chunks(job, maybe))) if maybe else {}
             arr = slot.buf.numpy()
             run: list[tuple[Piece, bytes]] = []  # new raw chunks back to back in the slot: written together
             pending: set[bytes] = set()
-            for piece, (cid, st, packed, stored) in zip(slot.pieces, results):
-                have = stored and known[cid]
+            for i, (piece, (cid, st, packed, stored)) in enumerate(zip(slot.pieces, results)):
+                have = stored and (known[cid] if self.confirm_found else True)
                 e = entries[piece.row]
                 e.chunks.append(cid)
                 if isinstance(st, dict):
@@ -249,6 +272,8 @@ class Pipeline:
                         merged.merge(st)
                 if have or cid in job.new_chunks or cid in pending:
                     continue
+                if stored:
+                    slot.fill([i])  # found by the worker, gone since: written again, so its bytes are needed now
                 if run and (packed is not None or piece.start != run[-1][0].start + run[-1][0].length):
                     self._write_run(job, arr, run)
                     pending.clear()

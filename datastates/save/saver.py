@@ -35,12 +35,12 @@ class Saver:
     def __init__(self, commit: Callable[[SaveJob], Any], dedup: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], guard: Callable[[], AbstractContextManager[None]], *,
                  chunk_size: int, pool_bytes: int, workers: int, zstd_level: int,
-                 on_error: Callable[[SaveJob, BaseException], None]) -> None:
+                 on_error: Callable[[SaveJob, BaseException], None], confirm_found: bool = True) -> None:
         self.chunk_size = chunk_size
         self.dedup = dedup
         self.pool = BufferPool(pool_bytes, max(chunk_size, 1 << 20), pin=torch.cuda.is_available())
         self.pipeline = Pipeline(commit, dedup, new_pack, self.pool, workers=workers, zstd_level=zstd_level,
-                                 on_error=on_error, guard=guard)
+                                 on_error=on_error, guard=guard, confirm_found=confirm_found)
         self.last_saved: dict[str, Reused] = {}
         self._capture_order = CaptureOrder()
         self.copier = Copier()
