@@ -345,7 +345,6 @@ class Store(Queries):
             overwrite_chunks=self.cold is not None)
         for w in job.packs:
             objects.touch(w.id)
-        self._saver.remember(job)
         if to_flush and self.flusher is not None:
             self.flusher.enqueue(vid, None if job.dist is None else {w.id for w in job.packs})
         flusher = self.flusher

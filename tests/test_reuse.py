@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 import datastates as ds
@@ -50,3 +53,40 @@ def test_off_by_default_so_writes_through_data_are_saved(tmp_path: Path) -> None
     assert torch.equal(s.load(v)["t2"], torch.full((64 * 1024,), 3.0))
     assert s.save(state, reuse_unchanged=True).bytes_new == 0
     s.close()
+
+
+def test_the_record_is_made_after_the_caller_has_its_version_and_the_next_save_waits_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `remember` runs on the pipeline thread after the sync save returned; a reuse_unchanged save right after
+    # waits for it, and so still reuses every unchanged tensor.
+    from datastates.save.saver import Saver
+
+    go = threading.Event()
+    order: list[str] = []
+    real = Saver.remember
+
+    def remember(self: Saver, job: Any) -> None:
+        order.append("remember blocked" if go.wait(timeout=120) else "remember timed out")
+        real(self, job)
+        order.append("remembered")
+
+    monkeypatch.setattr(Saver, "remember", remember)
+    with ds.Store.open(tmp_path / "s") as s:
+        state = _state()
+        v1 = s.save(state)
+        order.append("save returned")  # before remember could run: go is not set yet
+        go.set()
+        copied: list[int] = []
+        real_reuse = Saver._reuse_unchanged
+
+        def reuse(self: Saver, job: Any) -> bool:
+            out = real_reuse(self, job)
+            copied.append(sum(e.source is not None for e in job.entries if e.kind == "tensor"))
+            return out
+
+        monkeypatch.setattr(Saver, "_reuse_unchanged", reuse)
+        state["t3"].mul_(2)
+        v2 = s.save(state, reuse_unchanged=True)
+        assert order[:3] == ["save returned", "remember blocked", "remembered"]
+        assert copied == [1] and v2.bytes_new == 64 * 1024 * 4  # only t3 copied; the other 9 reused
+        assert v1.id != v2.id and torch.equal(s.load(v2)["t3"], state["t3"])

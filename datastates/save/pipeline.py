@@ -12,6 +12,7 @@ Jobs commit one at a time in the order they were made.
 from __future__ import annotations
 
 import functools
+import logging
 import queue
 import threading
 import time
@@ -32,6 +33,8 @@ from .tree import TensorEntry
 
 if TYPE_CHECKING:
     pass
+
+log = logging.getLogger(__name__)
 
 _AHEAD_BYTES = 64 << 20
 """Bytes of captured slots the workers may hash ahead of the one being written, so that every worker stays busy
@@ -138,8 +141,15 @@ class Pipeline:
                  has_chunks: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], pool: BufferPool, workers: int = 2, zstd_level: int = 0,
                  pack_bytes: int = 1 << 31, on_error: Callable[[SaveJob, BaseException], None] | None = None,
-                 guard: Callable[[], Any] | None = None, confirm_found: bool = True) -> None:
+                 guard: Callable[[], Any] | None = None, confirm_found: bool = True,
+                 after_commit: Callable[[SaveJob], None] | None = None) -> None:
         self._guard = guard
+        self._after_commit = after_commit
+        """Run on the pipeline thread after a committed job's handle is finished, before the next job: work the
+        caller of a sync save need not wait for (`Saver.remember`: 4.7 ms per 8,000 tensors)."""
+        self.settled = threading.Event()
+        """Clear while `after_commit` of a committed job is still to run; those who need its effect wait."""
+        self.settled.set()
         self.confirm_found = confirm_found
         """Whether a chunk the hashing workers found stored must be looked up again (and pinned) by the writer.
         Needed where chunks can leave while a job runs (eviction from a hot tier); without tiers nothing
@@ -190,7 +200,12 @@ class Pipeline:
                             raise
                         job.failure = exc  # the other ranks wait in the commit's collectives: tell them
                     version = self._commit(job)
+                follow = self._after_commit is not None and job.committed
+                if follow:
+                    self.settled.clear()
                 job.handle._finish(version, None)
+                if follow:
+                    self._follow_up(job)
             except BaseException as exc:
                 self._drain(job)
                 for w in job.packs:
@@ -204,6 +219,15 @@ class Pipeline:
                 with self._cv:
                     self._inflight -= 1
                     self._cv.notify_all()
+
+    def _follow_up(self, job: SaveJob) -> None:
+        assert self._after_commit is not None
+        try:
+            self._after_commit(job)
+        except Exception:  # bookkeeping for later saves: the version itself is committed and reported
+            log.exception("after the commit of a save")
+        finally:
+            self.settled.set()
 
     def _drain(self, job: SaveJob) -> None:
         # The capture may still be filling slots: keep taking them back so it cannot block forever.
@@ -263,7 +287,7 @@ class Pipeline:
                 e = entries[piece.row]
                 e.chunks.append(cid)
                 if isinstance(st, dict):
-                    e.stats = dict(st)
+                    e.stats = st  # made for this piece, or an earlier save's: stats dicts are never changed
                 elif st is not None:
                     merged = job.partials.get(piece.row)
                     if merged is None:

@@ -40,7 +40,8 @@ class Saver:
         self.dedup = dedup
         self.pool = BufferPool(pool_bytes, max(chunk_size, 1 << 20), pin=torch.cuda.is_available())
         self.pipeline = Pipeline(commit, dedup, new_pack, self.pool, workers=workers, zstd_level=zstd_level,
-                                 on_error=on_error, guard=guard, confirm_found=confirm_found)
+                                 on_error=on_error, guard=guard, confirm_found=confirm_found,
+                                 after_commit=self.remember)
         self.last_saved: dict[str, Reused] = {}
         self._capture_order = CaptureOrder()
         self.copier = Copier()
@@ -106,7 +107,8 @@ class Saver:
 
     def remember(self, job: SaveJob) -> None:
         """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`. Keeps the
-        committed job's own lists and dicts (nothing changes them after the commit; readers copy them)."""
+        committed job's own lists and dicts (nothing changes them after the commit; readers copy them). Runs on
+        the pipeline thread once the caller has its version (`Pipeline.settled` is clear until it is done)."""
         last_saved, chunk_size = self.last_saved, job.chunk_size
         for e in job.entries:
             if e.kind == "tensor" and e.sig is not None:
@@ -114,6 +116,10 @@ class Saver:
 
     def _reuse_unchanged(self, job: SaveJob) -> bool:
         """Point untouched tensors at the chunks and stats this store saved for them last time; True if any."""
+        # The record of the last commit is made after its caller got the version: wait for it, or a save right
+        # after another finds nothing to reuse. (An older record is never wrong, only less useful: a tensor
+        # changed since has another version counter.)
+        self.pipeline.settled.wait()
         candidates = []
         for e in job.entries:
             last = self.last_saved.get(e.key) if e.kind == "tensor" else None
