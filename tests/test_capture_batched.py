@@ -262,3 +262,21 @@ def test_sync_save_writes_a_chunk_evicted_after_the_workers_found_it(tmp_path: P
         assert sum(copied) >= sum(len(b) for b in distinct)
         got = store.load(v2)
         assert all(_raw(got[k]) == _raw(t) for k, t in st.items())
+
+
+def test_a_sync_save_hands_on_a_bounded_stretch_of_slots_read_in_place(tmp_path: Path, monkeypatch: Any) -> None:
+    # Slots read in place cost the caller nothing to hand on: without a bound one save would take every pool
+    # slot at once. With 2 MiB allowed ahead and 1 MiB slots the pool never grows past 3 slots, however big it
+    # may grow, and the bytes are all there.
+    from datastates.save import capture
+
+    monkeypatch.setattr(capture, "_IN_PLACE_AHEAD", 2 << 20)
+    g = torch.Generator().manual_seed(4)
+    st = {f"t{i:03d}": torch.randn(16 * 1024, generator=g) for i in range(320)}  # 320 x 64 KiB = 20 MiB
+    with ds.Store.open(tmp_path / "s", chunk_size=256 << 10, pool_bytes=64 << 20) as store:
+        v = store.save(st)
+        assert store.pool.slot_bytes == 1 << 20
+        assert 1 << 20 <= store.pool.allocated_bytes <= 3 << 20
+        assert v.bytes_new == 20 << 20
+        got = store.load(v)
+        assert all(torch.equal(got[k], t) for k, t in st.items())

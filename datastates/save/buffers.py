@@ -78,6 +78,8 @@ class Slot:
     only by `fill`, piece by piece, when something needs them there."""
     filled: bytearray | None = None
     """With `in_place`: per piece, 1 once copied into `buf`."""
+    on_release: Callable[[], None] | None = None
+    """Called when the slot goes back to the pool (`BufferPool.release`)."""
 
     def fill(self, indices: list[int]) -> None:
         """Copy the pieces at `indices` (of `pieces`) from their sources into `buf`, each at most once; a no-op
@@ -92,6 +94,30 @@ class Slot:
                 if p.length:
                     ctypes.memmove(base + p.start, addresses[i], p.length)
                 filled[i] = 1
+
+
+class Budget:
+    """Bytes that may be out at once: `take` waits until `n` more fit (one taker alone always fits), `give`
+    returns them. Thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._out = 0
+        self._cv = threading.Condition()
+
+    def take(self, n: int) -> float:
+        """Take `n` bytes; returns the seconds waited."""
+        t0 = time.perf_counter()
+        with self._cv:
+            while self._out and self._out + n > self.limit:
+                self._cv.wait()
+            self._out += n
+        return time.perf_counter() - t0
+
+    def give(self, n: int) -> None:
+        with self._cv:
+            self._out -= n
+            self._cv.notify_all()
 
 
 class BufferPool:
@@ -135,6 +161,9 @@ class BufferPool:
         return Slot(buf), time.perf_counter() - t0
 
     def release(self, slot: Slot) -> None:
+        if slot.on_release is not None:
+            slot.on_release()
+            slot.on_release = None
         if slot.borrowed:
             return  # the caller's memory, not one of ours
         with self._cv:

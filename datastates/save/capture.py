@@ -3,6 +3,7 @@ job into pool slots (on a side stream for CUDA tensors) and hands each full slot
 
 from __future__ import annotations
 
+import functools
 import operator
 import threading
 import time
@@ -12,7 +13,7 @@ from typing import Any
 import torch
 
 from ..objects.chunks import spans
-from .buffers import _ALIGN, BufferPool, InPlace, Piece, Slot
+from .buffers import _ALIGN, Budget, BufferPool, InPlace, Piece, Slot
 from .copier import Copier
 from .job import SaveJob
 from .tree import TensorEntry
@@ -81,15 +82,19 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
             steps = plan(job.entries, job.chunk_size, pool.slot_bytes, borrow)
             if plans is not None:
                 plans[key] = steps
+        ahead = Budget(_IN_PLACE_AHEAD)
         for step in steps:
             if step.borrowed is not None:
                 _hand_over(job, Slot(step.borrowed, step.pieces, step.used, borrowed=True), None)
                 continue
+            if step.in_place is not None:
+                waited += ahead.take(step.used)
             slot, w = pool.acquire(job.go.set)
             waited += w
             slot.pieces, slot.used = step.pieces, step.used
             if step.in_place is not None:
                 slot.in_place, slot.filled = step.in_place, bytearray(len(step.pieces))
+                slot.on_release = functools.partial(ahead.give, step.used)
             else:
                 try:
                     step.copy_into(slot.buf, cuda_stream, copier)
@@ -114,6 +119,13 @@ def capture(job: SaveJob, pool: BufferPool, cuda_stream: Any = None, order: Capt
         if order is not None:
             order.done(job.ticket)
 
+
+_IN_PLACE_AHEAD = 96 << 20
+"""Bytes of slots read in place that a capture hands on before the pipeline gives any back. Such a slot costs
+the caller nothing, so without this bound a sync save would take every pool slot at once (the workers fill
+the slots of new pieces): small x1's first save grew the pool to 512 MiB, against ~176 MiB when the caller's
+copies paced it. The pipeline hashes up to 64 MiB ahead of its writer (`pipeline._AHEAD_BYTES`): this keeps
+that window full."""
 
 _BATCH_BYTES = 1 << 20
 """Host pieces of a slot are copied in batches of about this many bytes (one `split` and one `_foreach_copy_`
