@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import blake3
+import pytest
 import torch
 
 import datastates as ds
@@ -301,3 +302,89 @@ def test_sync_save_reads_the_chunks_of_a_mid_sized_tensor_in_place(tmp_path: Pat
         assert _rows(store, v2)["mid"]["chunks"] == [blake3.blake3(raw[a:a + (256 << 10)]).digest()
                                                      for a in range(0, len(raw), 256 << 10)]
         assert torch.equal(store.load(v2)["mid"], st["mid"])
+
+
+def test_a_failed_save_gives_a_slot_back_only_once_its_worker_is_done_with_it(
+        tmp_path: Path, monkeypatch: Any) -> None:
+    # A worker copies into a slot read in place (`Slot.fill`). When the save fails while workers still hash its
+    # later slots, those slots go back to the pool only once their workers are done: a slot given back sooner
+    # could be handed to the next save and then overwritten under it.
+    import threading
+
+    import datastates.save.capture as capture_mod
+    import datastates.save.pipeline as pipeline_mod
+    from datastates.objects.packs import PackWriter
+    from datastates.save.buffers import BufferPool
+
+    g = torch.Generator().manual_seed(6)
+    first = {"a": torch.randn(1000, generator=g)}
+    st = {f"t{i:02d}": torch.randn(16 * 1024, generator=g) for i in range(48)}  # 3 MiB: three 1 MiB slots
+    hold_commit, in_commit = threading.Event(), threading.Event()
+    captured, released = threading.Event(), threading.Event()
+    hashing: set[int] = set()
+    hashed: set[int] = set()
+    order: list[bool] = []  # per slot given back after its hashing began: had the hashing ended?
+
+    import datastates.store as store_mod
+
+    real_commit, real_capture, real_hash = store_mod.make_visible, capture_mod.capture, pipeline_mod._hash_slot
+    real_release = BufferPool.release
+
+    def commit(job: Any, **kw: Any) -> Any:
+        in_commit.set()  # the first save's chunks are written
+        hold_commit.wait(timeout=60)  # keeps the pipeline on the first save while the second is captured
+        return real_commit(job, **kw)
+
+    def capture(job: Any, *a: Any, **k: Any) -> None:
+        real_capture(job, *a, **k)
+        if k.get("borrow"):
+            captured.set()
+
+    def hash_slot(slot: Any, *a: Any, **k: Any) -> Any:
+        hashing.add(id(slot))
+        try:
+            if slot.in_place is not None and slot.pieces[0].row >= 16:  # the second and third slots
+                released.wait(timeout=2)  # set by a give-back that did not wait for us
+            return real_hash(slot, *a, **k)
+        finally:
+            hashed.add(id(slot))
+
+    def release(self: BufferPool, slot: Any) -> None:
+        if id(slot) in hashing:
+            order.append(id(slot) in hashed)
+            released.set()
+        real_release(self, slot)
+
+    def add_run(self: PackWriter, *a: Any, **k: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    with ds.Store.open(tmp_path / "s", chunk_size=256 << 10, pool_bytes=16 << 20) as store:
+        monkeypatch.setattr(store_mod, "make_visible", commit)
+        monkeypatch.setattr("datastates.save.saver.capture", capture)
+        monkeypatch.setattr(pipeline_mod, "_hash_slot", hash_slot)
+        monkeypatch.setattr(BufferPool, "release", release)
+        h1 = store.save_async(first)
+        errors: list[BaseException] = []
+
+        def sync_save() -> None:
+            try:
+                store.save(st)
+            except BaseException as exc:
+                errors.append(exc)
+
+        t = threading.Thread(target=sync_save)
+        t.start()
+        assert in_commit.wait(timeout=60) and captured.wait(timeout=60)  # three slots queued, not yet taken
+        monkeypatch.setattr(PackWriter, "add_run", add_run)
+        hold_commit.set()
+        t.join(timeout=120)
+        v1 = h1.result(timeout=60)
+        monkeypatch.undo()
+        assert len(errors) == 1 and isinstance(errors[0], ds.DataStatesError)
+        assert order and all(order)  # every slot a worker had begun was given back after it finished
+        assert torch.equal(store.load(v1)["a"], first["a"])
+        with pytest.raises(ds.SaveFailedError):  # reported again on the next call, as every failed save is
+            store.wait()
+        v3 = store.save(st)  # and the store goes on
+        got = store.load(v3)
+        assert all(torch.equal(got[k], t) for k, t in st.items())

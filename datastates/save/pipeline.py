@@ -18,7 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -260,7 +260,10 @@ class Pipeline:
                 self._write(job, *window.popleft())
         finally:
             for slot, fut in window:
-                fut.cancel()
+                if not fut.cancel():
+                    # Running: a worker may still copy into this slot (`Slot.fill`), and once released the slot may
+                    # hold another save's bytes. Wait for it (at most one slot's hashing).
+                    wait([fut])
                 self.pool.release(slot)
         if job.capture_error is not None:
             raise job.capture_error
