@@ -60,8 +60,8 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     else:
         cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
     # Ask the catalog here, beside the hashing, not on the writer's thread: a save of thousands of new chunks
-    # then costs the writer no lookup at all (they were ~20 % of its time); it confirms only the chunks found
-    # here (and pins their packs). Also, compress only what will be written.
+    # then costs the writer no lookup at all (they were ~20 % of its time); with tiers it confirms only the
+    # chunks found here, and pins their packs (`Pipeline.confirm_found`). Also, compress only what will be written.
     stored = has_chunks(cids) if has_chunks is not None else [False] * len(cids)
     kinds = [entries[p.row].kind for p in slot.pieces]
     found = [_known(known, entries, p, cid) if kind == "tensor" else None
