@@ -84,8 +84,9 @@ class Slot:
     def fill(self, indices: list[int]) -> None:
         """Copy the pieces at `indices` (of `pieces`) from their sources into `buf`, each at most once; a no-op
         for a slot whose pieces were copied at capture."""
-        if self.in_place is None or self.filled is None:
+        if self.filled is None:  # copied at capture
             return
+        assert self.in_place is not None
         filled, addresses, pieces = self.filled, self.in_place.addresses(), self.pieces
         base = self.buf.data_ptr()
         for i in indices:

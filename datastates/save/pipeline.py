@@ -286,7 +286,7 @@ class Pipeline:
             run: list[tuple[Piece, bytes]] = []  # new raw chunks back to back in the slot: written together
             pending: set[bytes] = set()
             for i, (piece, (cid, st, packed, stored)) in enumerate(zip(slot.pieces, results)):
-                have = stored and (known[cid] if self.confirm_found else True)
+                have = stored and (not self.confirm_found or known[cid])
                 e = entries[piece.row]
                 e.chunks.append(cid)
                 if isinstance(st, dict):

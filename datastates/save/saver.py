@@ -107,8 +107,10 @@ class Saver:
 
     def remember(self, job: SaveJob) -> None:
         """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`. Keeps the
-        committed job's own lists and dicts (nothing changes them after the commit; readers copy them). Runs on
-        the pipeline thread once the caller has its version (`Pipeline.settled` is clear until it is done)."""
+        committed job's own lists and dicts (nothing changes them after the commit). A reuse copies the chunk lists
+        (the pipeline appends to a row's list) and shares the stats dicts, which nothing changes once made, as the
+        pipeline does for known stats. Runs on the pipeline thread once the caller has its version
+        (`Pipeline.settled` is clear until it is done)."""
         last_saved, chunk_size = self.last_saved, job.chunk_size
         for e in job.entries:
             if e.kind == "tensor" and e.sig is not None:
@@ -129,7 +131,7 @@ class Saver:
         if not candidates or not all(self.dedup(job, wanted)):
             return False  # something was pruned, collected or evicted since: copy everything
         for e, last in candidates:
-            e.chunks, e.stats, e.source = list(last[1]), dict(last[2]), None
+            e.chunks, e.stats, e.source = list(last[1]), last[2], None
         return True
 
     def _wait_before_step(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
