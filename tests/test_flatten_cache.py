@@ -342,27 +342,36 @@ def test_an_empty_tensor_keeps_the_layout_and_every_save_loads_back(tmp_path: Pa
             assert _equal(store.load(store.save_async(st).result()), st)
 
 
-def test_known_stats_are_looked_up_when_asked_and_only_for_one_chunk_of_the_same_dtype() -> None:
-    from datastates.save.job import KnownStats, SaveHandle, SaveJob
+def test_known_stats_are_prepared_per_row_and_only_for_one_chunk_of_the_same_dtype() -> None:
+    from datastates.save.job import KnownStats, SaveHandle, SaveJob, SaveMemory
 
-    rows = [TensorEntry("a", torch.float32, (4,), "cpu", "tensor"), TensorEntry("b", torch.float32, (4,), "cpu",
-            "tensor"), TensorEntry("a", torch.float32, (4,), "cpu", "alias", base=0)]
-    last: dict[str, Any] = {}
+    rows = [TensorEntry("a", torch.float32, (4,), "cpu", "tensor", nbytes=16),
+            TensorEntry("b", torch.float32, (4,), "cpu", "tensor", nbytes=16),
+            TensorEntry("a", torch.float32, (4,), "cpu", "alias", base=0)]
+    memory = SaveMemory()
     job = SaveJob({}, rows, {}, SaveHandle(), 1024)
-    known = KnownStats(job, last, 1024)
-    assert known.get(0) is None
+    known = KnownStats(job, memory, 1024)
+    known.prepare(b"")
+    assert known.column == [None, None, None] and not known.stored  # memory recorded under no token yet
     rec = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"x" * 32], {"mean": 1.0}, 1024)
-    last["a"] = rec  # committed after the job was made: seen, the stats are those of the bytes the id names
-    assert known.get(0) is rec and known.get(2) is None and known.get(1) is None
-    last["b"] = ((0, 1, torch.float64, (4,), (1,), "cpu"), [b"y" * 32], {}, 1024)  # another dtype
-    assert known.get(1) is None
-    last["b"] = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32, b"z" * 32], {}, 1024)  # two chunks
-    assert known.get(1) is None
-    last["b"] = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32], {}, 2048)  # another chunk size
-    assert known.get(1) is None
-    assert known.get(0) is rec
-    del job  # the job holds its KnownStats, not the other way round: nothing is known for a job gone
-    assert known.get(0) is None
+    memory.by_key["a"], memory.drops = rec, b""  # committed after the job was made: seen when it starts
+    known.prepare(b"")
+    assert known.column == [(b"x" * 32, 16, {"mean": 1.0}), None, None] and known.stored
+    assert known.column[0] is not None and known.column[0][2] is rec[2]  # the very stats dict, shared
+    known.prepare(b"other")  # a chunk left the index since the memory was recorded: look every piece up
+    assert known.column[0] is not None and not known.stored
+    known.prepare(None)  # tiers, or a collective save: never trusted
+    assert not known.stored
+    for last in (((0, 1, torch.float64, (4,), (1,), "cpu"), [b"y" * 32], {}, 1024),  # another dtype
+                 ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32, b"z" * 32], {}, 1024),  # two chunks
+                 ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32], {}, 2048)):  # another chunk size
+        memory.by_key["b"] = last
+        known.prepare(b"")
+        assert known.column[1] is None and known.column[0] is not None
+    del job  # the job holds its KnownStats, not the other way round: nothing is prepared for a job gone
+    known.column = []
+    known.prepare(b"")
+    assert known.column == []
 
 
 def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp_path: Path) -> None:

@@ -173,6 +173,25 @@ def test_sparse_pack_is_repacked_and_the_sharing_version_stays_bit_exact(tmp_pat
         assert same_bytes(s.load(again), {"t5": ten["t5"]})
 
 
+def test_a_save_after_gc_writes_again_what_its_last_commit_named_and_gc_dropped(tmp_path: Path) -> None:
+    # A save looks up no chunk that is what the store last committed under the same key, as long as no chunk
+    # has left the index since (the catalog's drop token). gc dropping those chunks changes the token: the
+    # next save of the same bytes looks them up, finds them gone and writes them again.
+    ten = {f"t{k}": tensor(k, 0, CHUNK // 4) for k in range(6)}  # one chunk each: their stats are remembered
+    with open_store(tmp_path / "s") as s:
+        first = s.save(ten, step=0)
+        s.save({"other": tensor(99, 0, 16)}, step=1)
+        token = s.catalog.chunk_drops()
+        prune(s, Retention(KeepLatest(1)))
+        assert s.version(first).pruned
+        rep = gc(s)
+        assert rep.chunks_dropped == 6 and s.catalog.chunk_drops() != token
+        again = s.save(ten, step=2)
+        assert again.bytes_new == sum(t.nbytes for t in ten.values())
+        assert same_bytes(s.load(again), ten)
+        assert s.fsck().ok
+
+
 def test_threshold_zero_never_repacks(tmp_path: Path) -> None:
     ten = {f"t{k}": tensor(k, 0, 1024) for k in range(10)}
     with open_store(tmp_path / "s") as s:

@@ -90,3 +90,40 @@ def test_the_record_is_made_after_the_caller_has_its_version_and_the_next_save_w
         assert order[:3] == ["save returned", "remember blocked", "remembered"]
         assert copied == [1] and v2.bytes_new == 64 * 1024 * 4  # only t3 copied; the other 9 reused
         assert v1.id != v2.id and torch.equal(s.load(v2)["t3"], state["t3"])
+
+
+def test_a_gc_between_the_call_and_the_pipeline_fails_the_save_and_the_next_one_writes_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # reuse_unchanged names the chunks of untouched tensors on the caller's thread, before the job holds the
+    # guard that keeps gc out. A gc that drops them in between is caught under the guard: the save fails with
+    # ConflictError and writes nothing; the next save finds them gone and copies the tensors again.
+    from datastates.maintenance.gc import gc
+    from datastates.retention import KeepLatest, Retention, prune
+    from datastates.save.saver import Saver
+
+    s = ds.Store.open(tmp_path / "s", reuse_unchanged=True)
+    state = _state()
+    first = s.save(state)
+    head = s.save({"other": torch.ones(4)})
+    prune(s, Retention(KeepLatest(1)))  # `first` loses its bytes' only owner; gc has not run yet
+    real = Saver._reuse_unchanged
+    collected: list[int] = []
+
+    def reuse_then_collect(self: Saver, job: Any) -> bool:
+        reused = real(self, job)
+        if reused and not collected:
+            collected.append(gc(s).chunks_dropped)
+        return reused
+
+    monkeypatch.setattr(Saver, "_reuse_unchanged", reuse_then_collect)
+    with pytest.raises(ds.ConflictError, match="removed by a gc"):
+        s.save(state)
+    assert collected == [len(state)] and s.resolve("main") == head.id and s.version(first).pruned
+    with pytest.raises(ds.SaveFailedError):  # a failed save is reported again on the next call, as always
+        s.save(state)
+    again = s.save(state)
+    assert again.bytes_new == sum(t.nbytes for t in state.values())
+    back = s.load(again)
+    assert all(torch.equal(back[k], state[k]) for k in state)
+    assert s.fsck().ok
+    s.close()

@@ -31,6 +31,8 @@ _CREATED = struct.Struct("<d")
 _META = struct.Struct("<IIQQ")  # mm_magic, mm_version, mm_address, mm_mapsize (after the 16-byte page header)
 _MAGIC = 0xBEEFC0DE
 _DB = 48  # sizeof(MDB_db) on 64-bit
+_CHUNK_DROPS = b"chunk_drops"
+"""Meta key of `Catalog.chunk_drops`."""
 
 
 def check_catalog_file(path: Path) -> None:
@@ -163,10 +165,24 @@ class Catalog:
         with self.env.begin(db=self._db["packs"]) as txn:
             return {bytes(k).hex(): json.loads(v) for k, v in txn.cursor()}
 
+    def chunk_drops(self) -> bytes:
+        """A token that changes whenever chunk locations leave the index (`drop_pack`, `clear`): whoever read
+        the same token before knows that every chunk it saw indexed then is indexed still. Empty if no chunk
+        ever left."""
+        with self.env.begin(db=self._db["meta"]) as txn:
+            raw = txn.get(_CHUNK_DROPS)
+        return b"" if raw is None else bytes(raw)
+
+    def _dropped_chunks(self, txn: lmdb.Transaction) -> None:
+        # A random token, not a counter: `clear` empties the meta table too, and a counter starting again
+        # could come back to a value a process read before the chunks went.
+        txn.put(_CHUNK_DROPS, os.urandom(16), db=self._db["meta"])
+
     def drop_pack(self, pack: str) -> int:
         """Forget a pack and every chunk location that points into it; return chunks dropped."""
         dropped = 0
         with self.env.begin(write=True) as txn:
+            self._dropped_chunks(txn)
             txn.delete(bytes.fromhex(pack), db=self._db["packs"])
             cur = txn.cursor(db=self._db["chunks"])
             stale = [bytes(k) for k, v in cur if _unpack_loc(v).pack == pack]
@@ -390,3 +406,4 @@ class Catalog:
         with self.env.begin(write=True) as txn:
             for name in _DBS:
                 txn.drop(self._db[name.decode()], delete=False)
+            self._dropped_chunks(txn)

@@ -96,30 +96,51 @@ class SaveHandle:
 
 
 class KnownStats:
-    """Row -> what a store last saved under the row's key (`Reused`: one chunk id, stats) for a single-chunk
-    tensor of the same dtype and chunk size: a piece that hashes to that id has those stats, so they are not
-    computed again. Looked up when a hashing worker asks, off the caller's thread, in the saver's own record
-    (no copy, no object per row); a record committed after this save was submitted serves as well, since the
-    stats are those of the bytes the chunk id names."""
+    """Row -> what a store last committed under the row's key, for a single-chunk tensor of the same dtype and
+    chunk size: (chunk id, byte count, stats). A piece that holds the whole tensor and hashes to that id has those
+    stats, so they are not computed again. Made by `prepare` as one column when the job's hashing starts (on the
+    pipeline thread, after the last commit's record is in), so a worker looks a piece up with one index."""
 
-    __slots__ = ("_job", "_last_saved", "_chunk_size")
+    __slots__ = ("_job", "_memory", "_chunk_size", "column", "stored")
 
-    def __init__(self, job: SaveJob, last_saved: dict[str, Reused], chunk_size: int) -> None:
+    def __init__(self, job: SaveJob, memory: SaveMemory, chunk_size: int) -> None:
         # A weak reference: the job holds this, and a cycle would keep every finished job (its rows, chunk
         # lists, stats) alive until the cyclic collector runs, instead of freeing it when the pipeline is done.
-        self._job, self._last_saved, self._chunk_size = weakref.ref(job), last_saved, chunk_size
+        self._job, self._memory, self._chunk_size = weakref.ref(job), memory, chunk_size
+        self.column: list[tuple[bytes, int, dict[str, Any]] | None] = []
+        self.stored = False
+        """Whether every chunk id of `column` is still indexed (the catalog's `chunk_drops` token read for
+        this job is the one the memory was recorded under): the workers need not look them up."""
 
-    def get(self, row: int) -> Reused | None:
+    def prepare(self, drops: bytes | None) -> None:
+        """Fill `column` from the memory as it is now; `drops` is the catalog's token read under the job's
+        guard (None where it cannot be trusted: tiers, collective saves)."""
         job = self._job()
         if job is None:
-            return None
-        e = job.entries[row]
-        if e.kind != "tensor":
-            return None
-        last = self._last_saved.get(e.key)
-        if last is not None and len(last[1]) == 1 and last[3] == self._chunk_size and last[0][2] == e.dtype:
-            return last
-        return None
+            return
+        by_key, chunk_size = self._memory.by_key, self._chunk_size
+        column: list[tuple[bytes, int, dict[str, Any]] | None] = []
+        add = column.append
+        for e in job.entries:
+            last = by_key.get(e.key) if e.kind == "tensor" else None
+            if last is not None and len(last[1]) == 1 and last[3] == chunk_size and last[0][2] == e.dtype:
+                add((last[1][0], e.nbytes, last[2]))
+            else:
+                add(None)
+        self.column = column
+        self.stored = drops is not None and drops == self._memory.drops
+
+
+class SaveMemory:
+    """What a saver remembers of its last commits, for `reuse_unchanged` and `KnownStats`: per key, the
+    `Reused` record of the tensor last committed under it, and the catalog's `chunk_drops` token under which
+    every chunk those records name was indexed (None when unknown)."""
+
+    __slots__ = ("by_key", "drops")
+
+    def __init__(self) -> None:
+        self.by_key: dict[str, Reused] = {}
+        self.drops: bytes | None = None
 
 
 @dataclass
@@ -154,6 +175,13 @@ class SaveJob:
     """A collective save's own failure, carried to the commit so every rank hears of it."""
     known_stats: KnownStats | None = None
     """What this store last saved under each row's key, asked for by the hashing workers (see `KnownStats`)."""
+    drops: bytes | None = None
+    """The catalog's `chunk_drops` token read when the job's hashing started, under its guard (None with tiers
+    or for a collective save)."""
+    reused: list[bytes] = field(default_factory=list)
+    """Chunk ids `reuse_unchanged` pointed rows at without reading their tensors."""
+    reused_under: bytes | None = None
+    """The `chunk_drops` token under which `reused` were known indexed (None: the pins keep them, with tiers)."""
     encoded: dict[str, Any] | None = None
     """The kept flatten's `encoded` when the rows came from one: the manifest's constant columns, encoded once."""
     pins: set[str] = field(default_factory=set)

@@ -24,7 +24,7 @@ from .buffers import BufferPool
 from .capture import CaptureOrder, capture
 from .collective import plan
 from .copier import Copier
-from .job import KnownStats, Reused, SaveHandle, SaveJob
+from .job import KnownStats, SaveHandle, SaveJob, SaveMemory
 from .pipeline import Pipeline
 from .tree import FlattenCache
 
@@ -35,14 +35,18 @@ class Saver:
     def __init__(self, commit: Callable[[SaveJob], Any], dedup: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], guard: Callable[[], AbstractContextManager[None]], *,
                  chunk_size: int, pool_bytes: int, workers: int, zstd_level: int,
-                 on_error: Callable[[SaveJob, BaseException], None], confirm_found: bool = True) -> None:
+                 on_error: Callable[[SaveJob, BaseException], None], confirm_found: bool = True,
+                 chunk_drops: Callable[[], bytes] | None = None) -> None:
         self.chunk_size = chunk_size
         self.dedup = dedup
         self.pool = BufferPool(pool_bytes, max(chunk_size, 1 << 20), pin=torch.cuda.is_available())
         self.pipeline = Pipeline(commit, dedup, new_pack, self.pool, workers=workers, zstd_level=zstd_level,
                                  on_error=on_error, guard=guard, confirm_found=confirm_found,
-                                 after_commit=self.remember)
-        self.last_saved: dict[str, Reused] = {}
+                                 after_commit=self.remember, chunk_drops=chunk_drops)
+        self._chunk_drops = chunk_drops
+        """The catalog's `Catalog.chunk_drops`, where nothing but a drop from the index removes a chunk (no
+        tiers); None otherwise."""
+        self.memory = SaveMemory()
         self._capture_order = CaptureOrder()
         self.copier = Copier()
         self.flattener = FlattenCache()
@@ -81,7 +85,7 @@ class Saver:
             job.dist = plan(job.entries, replicated or [], group)
         if job.dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
             plans = None  # rows without their source now: a kept layout would copy them
-        job.known_stats = KnownStats(job, self.last_saved, self.chunk_size)
+        job.known_stats = KnownStats(job, self.memory, self.chunk_size)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
         stream = None if plans is not None else self._stream_for(job.entries)  # kept layouts are host-only
@@ -111,7 +115,12 @@ class Saver:
         (the pipeline appends to a row's list) and shares the stats dicts, which nothing changes once made, as the
         pipeline does for known stats. Runs on the pipeline thread once the caller has its version
         (`Pipeline.settled` is clear until it is done)."""
-        last_saved, chunk_size = self.last_saved, job.chunk_size
+        memory = self.memory
+        if job.drops != memory.drops:
+            # Records kept under another token may name chunks dropped since: only this job's are known indexed.
+            memory.by_key.clear()
+            memory.drops = job.drops
+        last_saved, chunk_size = memory.by_key, job.chunk_size
         for e in job.entries:
             if e.kind == "tensor" and e.sig is not None:
                 last_saved[e.key] = (e.sig, e.chunks, e.stats, chunk_size)
@@ -123,13 +132,20 @@ class Saver:
         # changed since has another version counter.)
         self.pipeline.settled.wait()
         candidates = []
+        by_key = self.memory.by_key
         for e in job.entries:
-            last = self.last_saved.get(e.key) if e.kind == "tensor" else None
+            last = by_key.get(e.key) if e.kind == "tensor" else None
             if last is not None and last[0] == e.sig and last[3] == self.chunk_size:
                 candidates.append((e, last))
         wanted = [c for _, last in candidates for c in last[1]]
-        if not candidates or not all(self.dedup(job, wanted)):
+        if not candidates:
+            return False
+        # Read before the lookup, outside the job's guard: the pipeline checks under the guard that no chunk
+        # left the index since (`Pipeline._process`), or looks the reused chunks up again there.
+        drops = self._chunk_drops() if self._chunk_drops is not None else None
+        if (drops is None or drops != self.memory.drops) and not all(self.dedup(job, wanted)):
             return False  # something was pruned, collected or evicted since: copy everything
+        job.reused, job.reused_under = wanted, drops
         for e, last in candidates:
             e.chunks, e.stats, e.source = list(last[1]), last[2], None
         return True
