@@ -350,28 +350,32 @@ def test_known_stats_are_prepared_per_row_and_only_for_one_chunk_of_the_same_dty
             TensorEntry("a", torch.float32, (4,), "cpu", "alias", base=0)]
     memory = SaveMemory()
     job = SaveJob({}, rows, {}, SaveHandle(), 1024)
-    known = KnownStats(job, memory, 1024)
+    known = KnownStats(job, memory)
     known.prepare(b"")
-    assert known.column == [None, None, None] and not known.stored  # memory recorded under no token yet
-    rec = ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"x" * 32], {"mean": 1.0}, 1024)
-    memory.by_key["a"], memory.drops = rec, b""  # committed after the job was made: seen when it starts
+    assert known.cids == [None, None, None] and not known.stored  # memory recorded under no token yet
+
+    def committed(dtype: torch.dtype, chunks: list[bytes], stats: dict[str, Any]) -> TensorEntry:
+        return TensorEntry("x", dtype, (4,), "cpu", "tensor", nbytes=16, chunks=chunks, stats=stats)
+
+    a = committed(torch.float32, [b"x" * 32], {"mean": 1.0})
+    memory.by_key["a"], memory.drops = a, b""  # committed after the job was made: seen when it starts
     known.prepare(b"")
-    assert known.column == [(b"x" * 32, 16, {"mean": 1.0}), None, None] and known.stored
-    assert known.column[0] is not None and known.column[0][2] is rec[2]  # the very stats dict, shared
+    assert (known.cids, known.nbytes) == ([b"x" * 32, None, None], [16, 16, 0])
+    assert known.stats == [{"mean": 1.0}, None, None]
+    assert known.stats[0] is a.stats and known.stored  # the very stats dict, shared
     known.prepare(b"other")  # a chunk left the index since the memory was recorded: look every piece up
-    assert known.column[0] is not None and not known.stored
+    assert known.cids[0] == b"x" * 32 and not known.stored
     known.prepare(None)  # tiers, or a collective save: never trusted
     assert not known.stored
-    for last in (((0, 1, torch.float64, (4,), (1,), "cpu"), [b"y" * 32], {}, 1024),  # another dtype
-                 ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32, b"z" * 32], {}, 1024),  # two chunks
-                 ((0, 1, torch.float32, (4,), (1,), "cpu"), [b"y" * 32], {}, 2048)):  # another chunk size
+    for last in (committed(torch.float64, [b"y" * 32], {}),  # another dtype
+                 committed(torch.float32, [b"y" * 32, b"z" * 32], {})):  # two chunks
         memory.by_key["b"] = last
         known.prepare(b"")
-        assert known.column[1] is None and known.column[0] is not None
+        assert known.cids[1] is None and known.cids[0] is not None
     del job  # the job holds its KnownStats, not the other way round: nothing is prepared for a job gone
-    known.column = []
+    known.cids = []
     known.prepare(b"")
-    assert known.column == []
+    assert known.cids == []
 
 
 def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp_path: Path) -> None:

@@ -61,13 +61,13 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     else:
         cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
     kinds = [entries[p.row].kind for p in slot.pieces]
-    column = known.column if known is not None else None
     found: list[dict[str, Any] | None] = [None] * len(cids)
-    if column:
+    if known is not None and known.cids:
+        known_cids, known_nbytes, known_stats = known.cids, known.nbytes, known.stats
         for i, (p, cid) in enumerate(zip(slot.pieces, cids)):
-            k = column[p.row]
-            if k is not None and k[0] == cid and k[1] == p.length:  # the whole tensor, as last committed
-                found[i] = k[2]
+            row = p.row
+            if known_cids[row] == cid and known_nbytes[row] == p.length:  # the whole tensor, as last committed
+                found[i] = known_stats[row]
     # Ask the catalog here, beside the hashing, not on the writer's thread: a save of thousands of new chunks
     # then costs the writer no lookup at all (they were ~20 % of its time); with tiers it confirms only the
     # chunks found here, and pins their packs (`Pipeline.confirm_found`). Also, compress only what will be written.

@@ -85,7 +85,7 @@ class Saver:
             job.dist = plan(job.entries, replicated or [], group)
         if job.dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
             plans = None  # rows without their source now: a kept layout would copy them
-        job.known_stats = KnownStats(job, self.memory, self.chunk_size)
+        job.known_stats = KnownStats(job, self.memory)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
         stream = None if plans is not None else self._stream_for(job.entries)  # kept layouts are host-only
@@ -111,19 +111,20 @@ class Saver:
 
     def remember(self, job: SaveJob) -> None:
         """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`. Keeps the
-        committed job's own lists and dicts (nothing changes them after the commit). A reuse copies the chunk lists
-        (the pipeline appends to a row's list) and shares the stats dicts, which nothing changes once made, as the
-        pipeline does for known stats. Runs on the pipeline thread once the caller has its version
+        committed rows themselves (nothing changes them after the commit: no tuple per row). A reuse copies the
+        chunk lists (the pipeline appends to a row's list) and shares the stats dicts, which nothing changes once
+        made, as the pipeline does for known stats. Runs on the pipeline thread once the caller has its version
         (`Pipeline.settled` is clear until it is done)."""
         memory = self.memory
         if job.drops != memory.drops:
-            # Records kept under another token may name chunks dropped since: only this job's are known indexed.
+            # Rows kept under another token may name chunks dropped since: only this job's are known indexed.
             memory.by_key.clear()
             memory.drops = job.drops
-        last_saved, chunk_size = memory.by_key, job.chunk_size
+        by_key = memory.by_key
         for e in job.entries:
             if e.kind == "tensor" and e.sig is not None:
-                last_saved[e.key] = (e.sig, e.chunks, e.stats, chunk_size)
+                e.source = None  # never keep the caller's tensors alive
+                by_key[e.key] = e
 
     def _reuse_unchanged(self, job: SaveJob) -> bool:
         """Point untouched tensors at the chunks and stats this store saved for them last time; True if any."""
@@ -135,9 +136,9 @@ class Saver:
         by_key = self.memory.by_key
         for e in job.entries:
             last = by_key.get(e.key) if e.kind == "tensor" else None
-            if last is not None and last[0] == e.sig and last[3] == self.chunk_size:
+            if last is not None and last.sig == e.sig:
                 candidates.append((e, last))
-        wanted = [c for _, last in candidates for c in last[1]]
+        wanted = [c for _, last in candidates for c in last.chunks]
         if not candidates:
             return False
         # Read before the lookup, outside the job's guard: the pipeline checks under the guard that no chunk
@@ -147,7 +148,7 @@ class Saver:
             return False  # something was pruned, collected or evicted since: copy everything
         job.reused, job.reused_under = wanted, drops
         for e, last in candidates:
-            e.chunks, e.stats, e.source = list(last[1]), last[2], None
+            e.chunks, e.stats, e.source = list(last.chunks), last.stats, None
         return True
 
     def _wait_before_step(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
