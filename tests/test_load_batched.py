@@ -264,11 +264,26 @@ def test_an_empty_row_is_a_tensor_whose_bytes_the_flat_array_views(dtype: torch.
     from datastates.repo import reader
 
     n = torch.empty(shape, dtype=dtype).nbytes
-    row = {"key": "w", "dtype": str(dtype).removeprefix("torch."), "shape": list(shape), "nbytes": n}
-    out, flat = reader._empty_row(SimpleNamespace(id="ab" * 32), row)  # type: ignore[arg-type]
+    name, m = str(dtype).removeprefix("torch."), SimpleNamespace(id="ab" * 32)
+    out, flat = reader._empty_row(m, "w", name, list(shape), n)  # type: ignore[arg-type]
     assert out.dtype == dtype and tuple(out.shape) == shape and flat.dtype == "uint8" and flat.size == n
     want = bytes(range(1, n + 1))  # numpy and torch path alike: writing the array writes the tensor
     flat[:] = list(want)
     assert out.reshape(-1).view(torch.uint8).numpy().tobytes() == want
     with pytest.raises(ds.IntegrityError, match="'w' in manifest abababababab: .* run `datastates fsck`"):
-        reader._empty_row(SimpleNamespace(id="ab" * 32), {**row, "nbytes": n + 1})  # type: ignore[arg-type]
+        reader._empty_row(m, "w", name, list(shape), n + 1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("bad", [99, -1])
+def test_a_row_pointing_at_a_row_that_is_not_there_is_an_integrity_error(tmp_path: Path, bad: int) -> None:
+    # Tied weights: the second key is an alias row naming the first. A damaged base number (past the end, or
+    # negative, which a Python list would quietly wrap around) is refused with a hint, never read as another row.
+    t = torch.arange(6, dtype=torch.float32)
+    with ds.Store.open(tmp_path / "s") as s:
+        v = s.save({"a": t, "b": t})
+        m = s.manifest_of(v)
+        cols = m.load_columns()
+        alias = cols["kind"].index("alias")
+        cols["base"][alias] = bad  # the cached columns of the manifest a full load reads
+        with pytest.raises(ds.IntegrityError, match=f"points at row {bad} .*run `datastates fsck`"):
+            s.load(v)

@@ -40,6 +40,9 @@ SCHEMA = pa.schema([
 ])
 
 
+LOAD_COLUMNS = ("key", "kind", "dtype", "shape", "stride", "base", "offset", "nbytes", "chunks")
+"""What a load reads of each row (`Manifest.load_columns`): not the statistics."""
+
 _CONSTANT = ("key", "kind", "dtype", "shape", "stride", "device", "base", "offset", "nbytes")
 """The columns a row's flatten fixes: the same in every save of the same tensors (`FlattenCache`)."""
 
@@ -163,6 +166,19 @@ class Manifest:
                 self._decoded.update(zip(run, self.table.slice(run[0], len(run)).to_pylist()))
         else:
             self._decoded.update(zip(todo, self.table.take(todo).to_pylist()))
+
+    def load_columns(self, rows: list[int] | None = None) -> dict[str, Any]:
+        """The columns a load reads (`LOAD_COLUMNS`), each indexable by row number: with `rows` None, every row,
+        as lists (cached; 6 ms for 8,000 rows, against 18.5 ms for `rows` as dicts); else only `rows`, as dicts.
+        Raises IntegrityError when a row of `rows` does not exist (see `row`)."""
+        if rows is None:
+            cols = self.__dict__.get("_load_columns")
+            if cols is None:
+                cols = self.__dict__["_load_columns"] = {n: self.table.column(n).to_pylist() for n in LOAD_COLUMNS}
+            return cols
+        self.decode(rows)
+        got = {i: self.row(i) for i in rows}
+        return {n: {i: r[n] for i, r in got.items()} for n in LOAD_COLUMNS}
 
     @property
     def decoded_rows(self) -> int:
