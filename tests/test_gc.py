@@ -501,3 +501,21 @@ def test_sigkill_during_gc_leaves_every_live_version_loadable(
 def test_sigkill_during_gc_sample_many_kills(crash_template: tuple[Path, dict[str, int], float],
                                             tmp_path: Path) -> None:
     crash_loop(crash_template, tmp_path, trials=24)
+
+
+def test_the_drop_token_changes_exactly_when_chunk_entries_can_leave_the_index(tmp_path: Path) -> None:
+    # Saves trust chunks their last commit named while the token read then is unchanged: a save, a commit or
+    # a read leaves it as it is; forgetting a pack (gc, repair, refresh) and emptying the index (rebuild) change it.
+    with open_store(tmp_path / "s") as s:
+        cat = s.catalog
+        assert cat.chunk_drops() == b""  # no chunk ever left
+        v = s.save({"t": tensor(1, 0, 1024)})
+        s.load(v)
+        assert cat.chunk_drops() == b""
+        (pack,) = [p.name.removesuffix(".pack") for p in list_packs(s.path / "packs")]
+        assert cat.drop_pack(pack) == 4 and cat.chunk_drops() != b""
+        after_drop = cat.chunk_drops()
+        assert cat.drop_pack(pack) == 0 and cat.chunk_drops() != after_drop  # nothing left, still a new token
+        before_clear = cat.chunk_drops()
+        cat.clear()
+        assert cat.chunk_drops() not in (b"", before_clear)
