@@ -139,7 +139,6 @@ class Store(Queries):
         self._saver = Saver(self._commit, self._dedup, self.tier.new_pack, self.tier.writing,
                             chunk_size=repo.chunk_size, pool_bytes=pool_bytes, workers=workers,
                             zstd_level=zstd_level, on_error=self._record_error,
-                            confirm_found=self.cold is not None,
                             chunk_drops=self.catalog.chunk_drops if self.cold is None else None)
         self._readers = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="datastates-read")
         self._atexit = at_exit(self, Store._drain_at_exit)

@@ -149,24 +149,25 @@ class Pipeline:
                  has_chunks: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], pool: BufferPool, workers: int = 2, zstd_level: int = 0,
                  pack_bytes: int = 1 << 31, on_error: Callable[[SaveJob, BaseException], None] | None = None,
-                 guard: Callable[[], Any] | None = None, confirm_found: bool = True,
-                 after_commit: Callable[[SaveJob], None] | None = None,
+                 guard: Callable[[], Any] | None = None, after_commit: Callable[[SaveJob], None] | None = None,
                  chunk_drops: Callable[[], bytes] | None = None) -> None:
         self._guard = guard
-        self._chunk_drops = chunk_drops
-        """`Catalog.chunk_drops` where only a drop from the index removes a chunk (no tiers), else None: read
-        for each job under its guard, for `KnownStats.stored` and to check `reuse_unchanged`'s chunks."""
+        self.chunk_drops = chunk_drops
+        """`Catalog.chunk_drops` where only a drop from the index removes a chunk (no tiers), else None (chunks
+        may leave without one: eviction from a hot tier). Read for each job under its guard, for
+        `KnownStats.stored` and to check `reuse_unchanged`'s chunks."""
         self._after_commit = after_commit
         """Run on the pipeline thread after a committed job's handle is finished, before the next job: work the
         caller of a sync save need not wait for (`Saver.remember`: 4.7 ms per 8,000 tensors)."""
         self.settled = threading.Event()
         """Clear while `after_commit` of a committed job is still to run; those who need its effect wait."""
         self.settled.set()
-        self.confirm_found = confirm_found
+        self.confirm_found = chunk_drops is None
         """Whether a chunk the hashing workers found stored must be looked up again (and pinned) by the writer.
-        Needed where chunks can leave while a job runs (eviction from a hot tier); without tiers nothing
-        removes a chunk while a job holds `guard` (gc and repair take the tier's exclusive lock), so the
-        workers' answer stands, and a save finding 7,200 chunks stored skips as many lookups."""
+        Needed where chunks can leave while a job runs (eviction from a hot tier); otherwise only a drop from
+        the index removes one, and nothing is dropped while a job holds `guard` (gc and repair take the tier's
+        exclusive lock), so the workers' answer stands, and a save finding 7,200 chunks stored skips as many
+        lookups."""
         self._commit = commit
         self._has_chunks = has_chunks
         self._new_pack = new_pack
@@ -255,7 +256,7 @@ class Pipeline:
         ahead = 0  # bytes of the slots in the window
         job.go.wait()
         t0 = time.perf_counter()
-        self._check_reused(job)
+        self._prepare(job)
         try:
             while (slot := job.slots.get()) is not None:
                 # The workers only ask whether compressing is worth it: no job, nothing pinned.
@@ -286,12 +287,12 @@ class Pipeline:
         for row, p in job.partials.items():
             job.entries[row].stats = p.final()
 
-    def _check_reused(self, job: SaveJob) -> None:
+    def _prepare(self, job: SaveJob) -> None:
         """Under the job's guard (no gc runs until it ends): read the catalog's `chunk_drops` token, prepare
         the known stats, and make sure the chunks `reuse_unchanged` named without reading them are indexed.
         Raises ConflictError, before anything is written, if a gc removed one since the caller's save call."""
-        if self._chunk_drops is not None and job.dist is None:
-            job.drops = self._chunk_drops()
+        if self.chunk_drops is not None and job.dist is None:
+            job.drops = self.chunk_drops()
         if job.known_stats is not None:
             job.known_stats.prepare(job.drops)
         if job.reused_under is None or job.reused_under == job.drops:

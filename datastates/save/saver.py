@@ -35,17 +35,16 @@ class Saver:
     def __init__(self, commit: Callable[[SaveJob], Any], dedup: Callable[[SaveJob | None, list[bytes]], list[bool]],
                  new_pack: Callable[[], PackWriter], guard: Callable[[], AbstractContextManager[None]], *,
                  chunk_size: int, pool_bytes: int, workers: int, zstd_level: int,
-                 on_error: Callable[[SaveJob, BaseException], None], confirm_found: bool = True,
+                 on_error: Callable[[SaveJob, BaseException], None],
                  chunk_drops: Callable[[], bytes] | None = None) -> None:
+        """`chunk_drops`: the catalog's `Catalog.chunk_drops` where nothing but a drop from the index removes a
+        chunk (no tiers), else None (see `Pipeline.chunk_drops`)."""
         self.chunk_size = chunk_size
         self.dedup = dedup
         self.pool = BufferPool(pool_bytes, max(chunk_size, 1 << 20), pin=torch.cuda.is_available())
         self.pipeline = Pipeline(commit, dedup, new_pack, self.pool, workers=workers, zstd_level=zstd_level,
-                                 on_error=on_error, guard=guard, confirm_found=confirm_found,
-                                 after_commit=self.remember, chunk_drops=chunk_drops)
-        self._chunk_drops = chunk_drops
-        """The catalog's `Catalog.chunk_drops`, where nothing but a drop from the index removes a chunk (no
-        tiers); None otherwise."""
+                                 on_error=on_error, guard=guard, after_commit=self.remember,
+                                 chunk_drops=chunk_drops)
         self.memory = SaveMemory()
         self._capture_order = CaptureOrder()
         self.copier = Copier()
@@ -142,8 +141,9 @@ class Saver:
         if not candidates:
             return False
         # Read before the lookup, outside the job's guard: the pipeline checks under the guard that no chunk
-        # left the index since (`Pipeline._process`), or looks the reused chunks up again there.
-        drops = self._chunk_drops() if self._chunk_drops is not None else None
+        # left the index since (`Pipeline._prepare`), or looks the reused chunks up again there.
+        chunk_drops = self.pipeline.chunk_drops
+        drops = chunk_drops() if chunk_drops is not None else None
         if (drops is None or drops != self.memory.drops) and not all(self.dedup(job, wanted)):
             return False  # something was pruned, collected or evicted since: copy everything
         job.reused, job.reused_under = wanted, drops
