@@ -194,3 +194,101 @@ def test_a_run_of_whole_tensors_and_pieces_of_a_bigger_one_keeps_each_tensors_st
         assert rows[k]["mean"] == pytest.approx(float(x.mean()), rel=1e-5, abs=1e-5), k
         assert rows[k]["l2"] == pytest.approx(float(x.norm()), rel=1e-5), k
         assert (rows[k]["min"], rows[k]["max"]) == (float(x.min()), float(x.max())), k
+
+
+@pytest.fixture
+def second_passes(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Calls of the sums shifted by a value (`_centred`) and of the batched centred second pass (`_centre_rows`)."""
+    from datastates.save import stats
+
+    calls = {"_centred": 0, "_centre_rows": 0}
+    for name in calls:
+        real = getattr(stats, name)
+
+        def counting(*a: object, _real: object = real, _name: str = name) -> object:
+            calls[_name] += 1
+            return _real(*a)  # type: ignore[operator]
+
+        monkeypatch.setattr(stats, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_big_chunk_far_from_zero_is_summed_shifted_by_its_sample_once(
+        dtype: torch.dtype, second_passes: dict[str, int]) -> None:
+    # A drifted weight (mean 3, std 0.02): the sample's mean is the shift, so the sums keep the digits of the
+    # std in one pass over shifted values, without the centred pass on top.
+    g = torch.Generator().manual_seed(9)
+    x = (3.0 + 0.02 * torch.randn(300_000, generator=g)).to(dtype)
+    st = _stats_of(x)
+    assert second_passes == {"_centred": 1, "_centre_rows": 0}
+    want = x.double()
+    assert st["std"] == pytest.approx(float(want.std()), rel=1e-4)
+    assert st["mean"] == pytest.approx(float(want.mean()), rel=1e-7)
+    assert (st["min"], st["max"]) == (float(want.min()), float(want.max()))
+    # Centred on 0: summed as it is, no shifted pass at all.
+    second_passes["_centred"] = 0
+    w = (0.02 * torch.randn(300_000, generator=g)).to(dtype)
+    assert _stats_of(w)["std"] == pytest.approx(float(w.double().std()), rel=1e-5)
+    assert second_passes["_centred"] == 0
+
+
+def test_a_chunk_whose_sample_misses_its_spread_still_gets_the_centred_pass(second_passes: dict[str, int]) -> None:
+    # Every sampled element (each 4,687th) is 5.0 and the rest 0 or 0.01: the sample says "far from 0" and
+    # shifts by 5, the sums show the shift was poor, and the centred pass runs: the values stay exact.
+    x = torch.zeros(300_000)
+    x[1::2] = 0.01
+    x[::300_000 // 64] = 5.0
+    st = _stats_of(x)
+    assert second_passes["_centred"] == 2
+    assert st["std"] == pytest.approx(float(x.double().std()), rel=1e-4)
+    assert st["mean"] == pytest.approx(float(x.double().mean()), rel=1e-6)
+    # A non-finite element the sample caught: no shift, counted apart.
+    y = 3.0 + torch.rand(300_000)
+    y[0] = float("nan")
+    st = _stats_of(y)
+    finite = y.double()[1:]
+    assert (st["nan_count"], st["inf_count"]) == (1, 0)
+    assert st["std"] == pytest.approx(float(finite.std()), rel=1e-5)
+
+
+def test_blocks_after_a_block_far_from_zero_are_shifted_by_their_first_elements(
+        second_passes: dict[str, int]) -> None:
+    from datastates.save import stats
+
+    g = torch.Generator().manual_seed(10)
+    rows = stats._BLOCK // 4096  # rows of 4,096 fp32 per scratch block
+    narrow = 7.0 + 1e-3 * torch.randn(3 * rows, 4096, generator=g)
+    narrow[rows + 3, 0] = 7.5  # an outlier first element: a poor shift for its row, caught by the sums
+    narrow[2 * rows + 1, 0] = float("inf")  # a shift that makes its row non-finite: summarized alone, as before
+    wide = torch.randn(2 * rows, 4096, generator=g)
+    x = torch.cat([narrow, wide])
+    stats._scratch.shift_rows = False
+    got = stats.partial_many(x.reshape(-1).view(torch.uint8), torch.float32, x.shape[0], whole=True)
+    # The first narrow block learns, the next two are shifted (one centred pass for the outlier's block),
+    # the first wide block is shifted too and teaches the second not to be.
+    assert second_passes["_centre_rows"] == 2
+    assert stats._scratch.shift_rows is False
+    for i, row in enumerate(x):
+        if i == 2 * rows + 1:
+            assert got[i] is None
+            continue
+        want = row.double()
+        st = got[i]
+        assert isinstance(st, dict)
+        assert st["std"] == pytest.approx(float(want.std()), rel=1e-4), i
+        assert st["mean"] == pytest.approx(float(want.mean()), rel=1e-7, abs=1e-7), i
+        assert (st["min"], st["max"]) == (float(want.min()), float(want.max())), i
+
+
+def test_values_whose_squares_underflow_get_a_std_of_zero_not_an_error() -> None:
+    # 2**-127 squared is 0 in fp32: sum(x^2) is 0 while sum(x)^2 / n is not (found by hypothesis in
+    # test_roundtrip: the save failed with "math domain error").
+    from datastates.save import stats
+
+    x = torch.full((4,), 2.0 ** -127)
+    st = _stats_of(x)
+    assert (st["std"], st["min"], st["mean"]) == (0.0, float(x[0]), float(x[0]))
+    many = stats.partial_many(torch.full((3, 4), 2.0 ** -127).reshape(-1).view(torch.uint8), torch.float32, 3,
+                              whole=True)
+    assert [m["std"] for m in many if isinstance(m, dict)] == [0.0, 0.0, 0.0]

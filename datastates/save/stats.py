@@ -81,8 +81,12 @@ def partial(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
     except (RuntimeError, TypeError):
         p.ok = False
         return p
-    # sum + dot + aminmax: three fast passes (var_mean is ~10x slower on CPU).
-    total, sq, (lo, hi) = float(x.sum()), float(torch.dot(x, x)), torch.aminmax(x)
+    # Sums of x - c, c a shift near the mean when a sample shows values far from 0 next to their spread
+    # (BatchNorm weights, exp_avg_sq, a state drifting from 0): the one-pass m2 keeps its digits without a
+    # second, centred pass (the shifted-data algorithm). Else c = 0: sum + dot, no scratch copy at all.
+    c = _shift(x)
+    total, sq = _centred(x, c) if c else (float(x.sum()), float(torch.dot(x, x)))
+    lo, hi = torch.aminmax(x)
     if not (math.isfinite(total) and math.isfinite(sq) and math.isfinite(float(lo)) and math.isfinite(float(hi))):
         finite = torch.isfinite(x)
         p.nan = int(torch.isnan(x).sum())
@@ -92,19 +96,48 @@ def partial(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
             return p
         if x.dtype != torch.float64:  # finite values whose sum or squares overflow fp32
             x = x.to(torch.float64)
+        c = 0.0
         total, sq, (lo, hi) = float(x.sum()), float(torch.dot(x, x)), torch.aminmax(x)
     p.n = x.numel()
-    p.mean = total / p.n
-    p.m2 = sq - total * p.mean
-    if not p.m2 > _SAFE * sq:
+    p.mean = c + total / p.n
+    p.m2 = max(sq - total * total / p.n, 0.0)  # >= 0 also where squares underflow to 0 (subnormals)
+    if not p.m2 > _SAFE * sq and sq:  # (sq == 0: every value is c, m2 = 0 is exact)
         # sum(x^2) - n*mean^2 cancels when the spread is tiny next to the mean (a BatchNorm weight of
-        # 1.0 +- 1e-5 in fp32 keeps no digit of its std that way): centre first, and correct for the
-        # mean being rounded to x's dtype with the residual sum (the shifted-data algorithm).
+        # 1.0 +- 1e-5 in fp32 keeps no digit of its std that way) and no sample caught it: centre on the mean,
+        # and correct for the mean being rounded to x's dtype with the residual sum.
         resid, p.m2 = _centred(x, p.mean)
         p.m2 = max(p.m2 - resid * resid / p.n, 0.0)
         p.mean += resid / p.n
     p.lo, p.hi = float(lo), float(hi)
     return p
+
+
+_SAMPLE = 64
+"""Elements of a chunk (strided) or of each row of a batched block that `_shift` and `partial_many` look at."""
+
+_SHIFT_FROM = 1 << 16
+"""Chunks of at least this many elements get `_shift`'s sample (~10 us); on smaller ones the centred pass it
+may save costs less than the sample."""
+
+_NARROW = 0.02
+"""A sample whose variance is below this share of its mean square makes the sums shifted by its mean: the
+one-pass m2 would then likely keep too few digits (below `_SAFE`), and a shift costs one pass where the centred
+second pass costs three. Above it a shift would cost a pass for nothing (a uniform [0, 1) weight plus 1 has a
+ratio of ~0.04 and sums fine unshifted)."""
+
+
+def _shift(x: torch.Tensor) -> float:
+    """The mean of a strided sample of `x` (1-D, fp32 or fp64) where the sample sits far from 0 next to its
+    spread, else 0.0 (also for small or non-finite samples). Any value is correct as a shift; a good one keeps
+    the digits of m2 without a second pass."""
+    n = x.numel()
+    if n < _SHIFT_FROM:
+        return 0.0
+    var, mean = torch.var_mean(x[::n // _SAMPLE])
+    v, m = float(var), float(mean)
+    if not (math.isfinite(v) and math.isfinite(m)) or not v < _NARROW * m * m:
+        return 0.0
+    return m
 
 
 BATCHED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -128,17 +161,33 @@ def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int,
         part = x[r:r + rows]
         if part.dtype != torch.float32:
             part = _block(0, part.numel()).view(part.shape).copy_(part)
-        sums = part.sum(1)
-        totals = sums.tolist()
-        squares = torch.mul(part, part, out=_block(1, part.numel()).view(part.shape)).sum(1).tolist()
+        # A block like the last one this thread summarized, whose rows sat far from 0 next to their spread
+        # (LayerNorm weights, exp_avg_sq, a state drifting from 0), is summed shifted by each row's first
+        # element (`partial`'s shifted-data sums, batched): one subtraction instead of the centred second pass.
+        # Any shift is correct, so a wrong guess costs one pass, not digits; no sample is taken (a sample per
+        # block cost 30-130 us, as much as it saved).
+        shift = getattr(_scratch, "shift_rows", False)
+        if shift:
+            shifts = part[:, 0]
+            d = torch.sub(part, shifts.unsqueeze(1), out=_block(1, part.numel()).view(part.shape))
+            totals = d.sum(1).tolist()
+            squares = d.mul_(d).sum(1).tolist()
+            means = [c + total / n for c, total in zip(shifts.tolist(), totals)]
+        else:
+            totals = part.sum(1).tolist()
+            squares = torch.mul(part, part, out=_block(1, part.numel()).view(part.shape)).sum(1).tolist()
+            means = [total / n for total in totals]
         # amin and amax, not aminmax(dim=1): on CPU the latter is ~18x slower per row block (600 vs 32 us
         # for 64 x 4,096 fp32 in torch 2.13), and it was most of a small-tensor save's statistics time.
         mins, maxs = part.amin(1), part.amax(1)
-        means = [total / n for total in totals]
-        m2s = [sq - total * mean for total, sq, mean in zip(totals, squares, means)]
-        narrow = [i for i, (m2, sq) in enumerate(zip(m2s, squares)) if not m2 > _SAFE * sq]
+        m2s = [max(sq - total * total / n, 0.0) for total, sq in zip(totals, squares)]
+        # (A non-finite row is summarized alone by the caller: no centred pass for it.)
+        narrow = [i for i, (m2, sq) in enumerate(zip(m2s, squares)) if not m2 > _SAFE * sq and sq and isfinite(m2)]
         if narrow:
-            _centre_rows(part, sums, narrow, means, m2s)
+            _centre_rows(part, narrow, means, m2s)
+        # Shift the next block if a row of this one would have needed the centred pass unshifted.
+        _scratch.shift_rows = bool(narrow) if not shift else any(
+            m2 <= _SAFE * (m2 + n * mean * mean) for m2, mean in zip(m2s, means))
         for total, sq, lo, hi, mean, m2 in zip(totals, squares, mins.tolist(), maxs.tolist(), means, m2s):
             if not (isfinite(total) and isfinite(sq) and isfinite(lo) and isfinite(hi)):
                 out.append(None)
@@ -149,13 +198,12 @@ def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int,
     return out
 
 
-def _centre_rows(part: torch.Tensor, sums: torch.Tensor, narrow: list[int], means: list[float],
-                 m2s: list[float]) -> None:
-    """Recompute the mean and m2 of rows `narrow` of `part` (fp32, one piece per row) centred on their fp32
-    means, corrected by the residual sums (the shifted-data algorithm of `partial`), in `means` and `m2s`. Every
-    row of the block is centred (no gathered copy of the narrow ones: no third scratch block)."""
+def _centre_rows(part: torch.Tensor, narrow: list[int], means: list[float], m2s: list[float]) -> None:
+    """Recompute the mean and m2 of rows `narrow` of `part` (fp32, one piece per row) centred on their means
+    rounded to fp32, corrected by the residual sums (the shifted-data algorithm of `partial`), in `means` and
+    `m2s`. Every row of the block is centred (no gathered copy of the narrow ones: no third scratch block)."""
     n = part.shape[1]
-    centres = sums / n
+    centres = torch.tensor(means, dtype=torch.float32)
     d = torch.sub(part, centres.unsqueeze(1), out=_block(1, part.numel()).view(part.shape))
     resid = d.sum(1).tolist()
     squares = d.mul_(d).sum(1).tolist()
@@ -187,7 +235,7 @@ def _block(which: int, numel: int) -> torch.Tensor:
 
 def _centred(x: torch.Tensor, mean: float) -> tuple[float, float]:
     """(sum(x - mean), sum((x - mean)^2)), through a reused per-thread block: no new pages for big chunks."""
-    if x.numel() <= _BLOCK:
+    if x.numel() < _SHIFT_FROM:  # small: the allocator's cached blocks, no new pages
         d = x - mean
         return float(d.sum()), float(torch.dot(d, d))
     bufs = getattr(_scratch, "bufs", None)
