@@ -127,3 +127,37 @@ def test_a_gc_between_the_call_and_the_pipeline_fails_the_save_and_the_next_one_
     assert all(torch.equal(back[k], state[k]) for k in state)
     assert s.fsck().ok
     s.close()
+
+
+def test_the_tensors_a_reuse_save_captures_are_hashed_from_their_copy(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Small tensors of a sync save are read in place; those a reuse_unchanged save captures changed, so they
+    # are copied first and hashed from the copy: no byte view of the caller's memory is made for them.
+    from datastates.save.buffers import InPlace
+
+    views: list[int] = []
+    real = InPlace.views
+
+    def counting(self: InPlace) -> list[memoryview]:
+        out = real(self)
+        views.append(len(out))
+        return out
+
+    monkeypatch.setattr(InPlace, "views", counting)
+    g = torch.Generator().manual_seed(3)
+    state = {f"s{i:02d}": torch.randn(4096, generator=g) for i in range(40)}
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save(state)
+        assert views == [40]  # a first save hashes in place
+        for k in ("s03", "s17", "s31"):
+            state[k].add_(1)
+        v = s.save(state, reuse_unchanged=True)
+        assert views == [40]
+        assert v.bytes_new == 3 * 4096 * 4
+        got, want = s.load(v), {k: t.clone() for k, t in state.items()}
+        rows = {r["key"]: r for r in s.manifest(v.manifests["0"]).rows}
+        state["s05"].add_(1)
+        s.save(state)  # a plain sync save hashes in place again
+        assert views == [40, 40]
+    assert all(torch.equal(got[k], want[k]) for k in state)
+    assert rows["s17"]["max"] == float(want["s17"].max())
