@@ -263,12 +263,15 @@ def test_blocks_after_a_block_far_from_zero_are_shifted_by_their_first_elements(
     narrow[2 * rows + 1, 0] = float("inf")  # a shift that makes its row non-finite: summarized alone, as before
     wide = torch.randn(2 * rows, 4096, generator=g)
     x = torch.cat([narrow, wide])
-    stats._scratch.shift_rows = False
-    got = stats.partial_many(x.reshape(-1).view(torch.uint8), torch.float32, x.shape[0], whole=True)
+    raw = x.reshape(-1).view(torch.uint8)
+    got = stats.partial_many(raw, torch.float32, x.shape[0], whole=True)
     # The first narrow block learns, the next two are shifted (one centred pass for the outlier's block),
     # the first wide block is shifted too and teaches the second not to be.
     assert second_passes["_centre_rows"] == 2
-    assert stats._scratch.shift_rows is False
+    # What a call learns stays in it: the same bytes give the same bits after any other call.
+    stats.partial_many(narrow.reshape(-1).view(torch.uint8), torch.float32, narrow.shape[0], whole=True)
+    assert stats.partial_many(raw, torch.float32, x.shape[0], whole=True) == got
+    assert stats.partial_many(raw[:rows * 4096 * 4], torch.float32, rows, whole=True) == got[:rows]
     for i, row in enumerate(x):
         if i == 2 * rows + 1:
             assert got[i] is None
@@ -292,3 +295,17 @@ def test_values_whose_squares_underflow_get_a_std_of_zero_not_an_error() -> None
     many = stats.partial_many(torch.full((3, 4), 2.0 ** -127).reshape(-1).view(torch.uint8), torch.float32, 3,
                               whole=True)
     assert [m["std"] for m in many if isinstance(m, dict)] == [0.0, 0.0, 0.0]
+
+
+def test_the_same_state_saved_after_another_gives_the_same_manifest(tmp_path: Path) -> None:
+    # Statistics are a function of the bytes and the save's layout, not of what a worker summarized before:
+    # a store that saved another state first writes the very manifest a fresh store writes.
+    g = torch.Generator().manual_seed(11)
+    wide = {f"a{i:02d}": torch.randn(4096, generator=g) for i in range(64)}
+    narrow = {f"b{i:02d}": 7.0 + 1e-3 * torch.randn(4096, generator=g) for i in range(64)}
+    first = {**wide, **narrow}  # ends with blocks that need the shift
+    second = {k: t + 1.0 for k, t in first.items()}  # all new bytes: nothing known from the first save
+    with ds.Store.open(tmp_path / "a") as a, ds.Store.open(tmp_path / "b") as b:
+        a.save(first)
+        va, vb = a.save(second), b.save(second)
+    assert va.manifests == vb.manifests

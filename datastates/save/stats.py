@@ -157,16 +157,17 @@ def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int,
     out: list[Partial | dict[str, float | int | None] | None] = []
     isfinite = math.isfinite
     rows = max(1, _BLOCK // n)  # squares (and fp32 copies) go through reused blocks: no new pages
+    shift = False
     for r in range(0, count, rows):
         part = x[r:r + rows]
         if part.dtype != torch.float32:
             part = _block(0, part.numel()).view(part.shape).copy_(part)
-        # A block like the last one this thread summarized, whose rows sat far from 0 next to their spread
-        # (LayerNorm weights, exp_avg_sq, a state drifting from 0), is summed shifted by each row's first
-        # element (`partial`'s shifted-data sums, batched): one subtraction instead of the centred second pass.
-        # Any shift is correct, so a wrong guess costs one pass, not digits; no sample is taken (a sample per
-        # block cost 30-130 us, as much as it saved).
-        shift = getattr(_scratch, "shift_rows", False)
+        # A block after one whose rows sat far from 0 next to their spread (LayerNorm weights, exp_avg_sq, a
+        # state drifting from 0) is summed shifted by each row's first element (`partial`'s shifted-data sums,
+        # batched): one subtraction instead of the centred second pass. Any shift is correct, so a wrong guess
+        # costs one pass, not digits; no sample is taken (a sample per block cost 30-130 us, as much as it
+        # saved). Learnt within this call only: the same bytes in the same run give the same bits whatever
+        # the thread summarized before (a manifest of the same state is the same manifest).
         if shift:
             shifts = part[:, 0]
             d = torch.sub(part, shifts.unsqueeze(1), out=_block(1, part.numel()).view(part.shape))
@@ -186,8 +187,7 @@ def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int,
         if narrow:
             _centre_rows(part, narrow, means, m2s)
         # Shift the next block if a row of this one would have needed the centred pass unshifted.
-        _scratch.shift_rows = bool(narrow) if not shift else any(
-            m2 <= _SAFE * (m2 + n * mean * mean) for m2, mean in zip(m2s, means))
+        shift = bool(narrow) if not shift else any(m2 <= _SAFE * (m2 + n * mean * mean) for m2, mean in zip(m2s, means))
         for total, sq, lo, hi, mean, m2 in zip(totals, squares, mins.tolist(), maxs.tolist(), means, m2s):
             if not (isfinite(total) and isfinite(sq) and isfinite(lo) and isfinite(hi)):
                 out.append(None)
