@@ -341,6 +341,9 @@ def test_limit() -> None:
     assert ids("limit 100") == ["v0", "v1", "v2", "v3", "v4"]
     assert ids("branch = 'main' and step >= 100 order by metrics.val_loss asc limit 1") == ["v1"]
     assert ids("step >= 0 order by step desc limit 2") == ["v4", "v2"]
+    # Past 2**63 (found by hypothesis: Arrow's slice raised OverflowError): every row, in either path.
+    assert ids(f"limit {10**30}") == ["v0", "v1", "v2", "v3", "v4"]
+    assert ids(f"order by step desc limit {2**64}") == ids("order by step desc") == ["v4", "v2", "v1", "v0", "v3"]
 
 
 def test_order_by_parse() -> None:

@@ -118,13 +118,15 @@ class Query:
         if self.where is not None:
             mask = _Evaluator(table, lineage, self.text).eval(self.where)
             result = table.filter(mask, null_selection_behavior="drop")
+        # A limit past the row count keeps every row (and one past 2**63 would overflow Arrow's slice).
+        limit = None if self.limit is None else min(self.limit, result.num_rows)
         if self.order_by:
             indices = _sort_indices(result, self.order_by)
-            if self.limit is not None:
-                indices = indices.slice(0, self.limit)
+            if limit is not None:
+                indices = indices.slice(0, limit)
             return result.take(indices)
-        if self.limit is not None:
-            result = result.slice(0, self.limit)
+        if limit is not None:
+            result = result.slice(0, limit)
         return result
 
     def _check_fields(self, table: pa.Table) -> None:
