@@ -62,12 +62,15 @@ def torchrun(n: int, store: Path, mode: str, init: Path, env: dict[str, str] | N
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=LAUNCH_TIMEOUT)
-            assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
+        # Every rank's end, not only the first failure's: a rank that dies shows up in the others as a closed
+        # connection, and the cause is in its own output.
+        ended = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
     finally:
         for p in procs:
             p.kill()
+    failed = [f"rank {r} exited {p.returncode}:\n{o[-1500:]}{e[-1500:]}"
+              for r, (p, (o, e)) in enumerate(zip(procs, ended)) if p.returncode != 0]
+    assert not failed, "\n".join(failed)
     return _read(out)
 
 
@@ -205,12 +208,15 @@ def dcprun(n: int, store: Path, mode: str, init: Path, env: dict[str, str] | Non
                               env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     try:
-        for p in procs:
-            stdout, stderr = p.communicate(timeout=LAUNCH_TIMEOUT)
-            assert p.returncode == 0, stdout[-2000:] + stderr[-2000:]
+        # Every rank's end, not only the first failure's: a rank that dies shows up in the others as a closed
+        # connection, and the cause is in its own output.
+        ended = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
     finally:
         for p in procs:
             p.kill()
+    failed = [f"rank {r} exited {p.returncode}:\n{o[-1500:]}{e[-1500:]}"
+              for r, (p, (o, e)) in enumerate(zip(procs, ended)) if p.returncode != 0]
+    assert not failed, "\n".join(failed)
     return _read(out)
 
 
