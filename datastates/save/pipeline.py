@@ -62,7 +62,9 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     arr = slot.buf.numpy()
     if slot.in_place is not None and copy_first:
         slot.fill(list(range(len(slot.pieces))))
-    if slot.in_place is not None and not copy_first:
+    in_place = slot.in_place is not None and not copy_first  # read where it lies, copied below only as needed
+    if in_place:
+        assert slot.in_place is not None
         cids = list(map(chunk_id, slot.in_place.views()))
     else:
         cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
@@ -89,7 +91,7 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
                 stored[i] = have
     else:
         stored = has_chunks(cids)
-    if slot.in_place is not None:
+    if in_place:
         # Copy what will be written (new here) or summarized (a tensor's stats not known from its last save).
         slot.fill([i for i, (have, kind, k) in enumerate(zip(stored, kinds, found))
                    if not have or (kind == "tensor" and k is None)])

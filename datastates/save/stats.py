@@ -113,7 +113,7 @@ def partial(raw: torch.Tensor, dtype: torch.dtype) -> Partial:
 
 
 _SAMPLE = 64
-"""Elements of a chunk (strided) or of each row of a batched block that `_shift` and `partial_many` look at."""
+"""Elements of a chunk (strided) that `_shift` looks at."""
 
 _SHIFT_FROM = 1 << 16
 """Chunks of at least this many elements get `_shift`'s sample (~10 us); on smaller ones the centred pass it
@@ -235,7 +235,7 @@ def _block(which: int, numel: int) -> torch.Tensor:
 
 def _centred(x: torch.Tensor, mean: float) -> tuple[float, float]:
     """(sum(x - mean), sum((x - mean)^2)), through a reused per-thread block: no new pages for big chunks."""
-    if x.numel() < _SHIFT_FROM:  # small: the allocator's cached blocks, no new pages
+    if x.numel() < _SHIFT_FROM:  # small (<= 256 KiB): the allocator's cached blocks, no new pages
         d = x - mean
         return float(d.sum()), float(torch.dot(d, d))
     bufs = getattr(_scratch, "bufs", None)
