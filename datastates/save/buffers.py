@@ -80,6 +80,10 @@ class Slot:
     """With `in_place`: per piece, 1 once copied into `buf`."""
     on_release: Callable[[], None] | None = None
     """Called when the slot goes back to the pool (`BufferPool.release`)."""
+    keep: Any = None
+    """What holds the CUDA sources of the slot's copies (its `SlotPlan`): they stay alive until `event` has
+    completed, so that the caching allocator cannot hand their memory to a new tensor while the side stream
+    still reads it. One reference per slot, where `record_stream` would cost a call per piece."""
 
     def fill(self, indices: list[int]) -> None:
         """Copy the pieces at `indices` (of `pieces`) from their sources into `buf`, each at most once; a no-op

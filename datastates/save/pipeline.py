@@ -58,6 +58,7 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     byte view of the caller's memory is made (~10 us per piece, more than the hashing of 64 KiB)."""
     if slot.event is not None:
         slot.event.synchronize()
+        slot.keep = None  # the copies are done: the caller's CUDA tensors may go
     out = []
     arr = slot.buf.numpy()
     if slot.in_place is not None and copy_first:

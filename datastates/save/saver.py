@@ -21,7 +21,7 @@ from ..base.collector import paused
 from ..base.comm import Comm
 from ..objects.packs import PackWriter
 from .buffers import BufferPool
-from .capture import CaptureOrder, capture
+from .capture import CaptureOrder, CudaStaging, capture
 from .collective import plan
 from .copier import Copier
 from .job import KnownStats, SaveHandle, SaveJob, SaveMemory
@@ -49,7 +49,7 @@ class Saver:
         self._capture_order = CaptureOrder()
         self.copier = Copier()
         self.flattener = FlattenCache()
-        self._cuda_stream: Any = None
+        self._cuda: CudaStaging | None = None
         self._step_hooks: weakref.WeakKeyDictionary[Any, list[SaveHandle]] = weakref.WeakKeyDictionary()
 
     def submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
@@ -87,18 +87,18 @@ class Saver:
         job.known_stats = KnownStats(job, self.memory)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
-        stream = None if plans is not None else self._stream_for(job.entries)  # kept layouts are host-only
+        cuda = None if plans is not None else self._staging_for(job.entries)  # kept layouts are host-only
         self.pipeline.submit(job)
         if lazy:
             if optimizer is not None:
                 self._wait_before_step(optimizer, handle)
-            threading.Thread(target=self._capture_quietly, args=(job, stream, plans), name="datastates-capture",
+            threading.Thread(target=self._capture_quietly, args=(job, cuda, plans), name="datastates-capture",
                              daemon=True).start()
         else:
             # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
             # A sync save's copies race its hashing workers for the cores, and a faster capture only fills more of
             # the pool ahead of the writer (small x1: 176 -> 400 MiB of slots): the copier serves the others.
-            capture(job, self.pool, stream, self._capture_order, borrow=overlap and job.dist is None, plans=plans,
+            capture(job, self.pool, cuda, self._capture_order, borrow=overlap and job.dist is None, plans=plans,
                     copier=None if overlap else self.copier)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
@@ -172,18 +172,18 @@ class Saver:
             optimizer.register_step_pre_hook(hook)
         pending.append(handle)
 
-    def _capture_quietly(self, job: SaveJob, stream: Any, plans: dict[Any, Any] | None) -> None:
+    def _capture_quietly(self, job: SaveJob, cuda: CudaStaging | None, plans: dict[Any, Any] | None) -> None:
         try:
-            capture(job, self.pool, stream, self._capture_order, plans=plans, copier=self.copier)
+            capture(job, self.pool, cuda, self._capture_order, plans=plans, copier=self.copier)
         except BaseException:
             pass  # reported through the handle by the pipeline
 
-    def _stream_for(self, entries: list[Any]) -> Any:
+    def _staging_for(self, entries: list[Any]) -> CudaStaging | None:
         if not any(e.source is not None and e.source.is_cuda for e in entries):
             return None
-        if self._cuda_stream is None:
-            self._cuda_stream = torch.cuda.Stream()
-        return self._cuda_stream
+        if self._cuda is None:
+            self._cuda = CudaStaging(self.pool.slot_bytes)
+        return self._cuda
 
 
 def at_exit(owner: Any, method: Callable[[Any], None]) -> Callable[[], None]:

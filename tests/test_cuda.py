@@ -1,0 +1,201 @@
+"""Saving and loading CUDA tensors: the pinned pool, side-stream copies, backpressure over a pool smaller than the
+state, the synchronous, reuse and lazy paths, and loads onto the GPU. Every test asserts bytes, counts or
+devices; all skip on a machine without CUDA (CI has none)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from datastates.store import Store
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+MiB = 1 << 20
+WAIT = 120.0
+
+
+@contextlib.contextmanager
+def _store(path: Path, **kw: Any) -> Iterator[Store]:
+    kw.setdefault("chunk_size", MiB)
+    s = Store.open(path, **kw)
+    try:
+        yield s
+    finally:
+        s.close(raise_errors=False)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return (flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)).numpy().tobytes()
+
+
+def _host(state: dict[str, torch.Tensor]) -> dict[str, bytes]:
+    return {k: _bits(v) for k, v in state.items()}
+
+
+def _gpu_state(seed: int) -> dict[str, torch.Tensor]:
+    """Every dtype family, sizes below, at and across the 1 MiB chunk, a non-contiguous tensor, an empty one, a
+    scalar, and two keys of one tensor (tied weights)."""
+    g = torch.Generator().manual_seed(seed)
+    tied = torch.randn(300, 257, generator=g)
+    cpu = {
+        "f32": torch.randn(3 * MiB // 4 + 7, generator=g),  # 3 MiB + 28 bytes: three chunks and a tail
+        "f64": torch.randn(129, 33, generator=g, dtype=torch.float64),
+        "bf16": torch.randn(1001, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(64, 64, generator=g).to(torch.float16),
+        "i64": torch.randint(-(2**40), 2**40, (5000,), generator=g, dtype=torch.int64),
+        "u8": torch.randint(0, 255, (MiB,), generator=g, dtype=torch.uint8),  # exactly one chunk
+        "flag": torch.rand(333, generator=g) > 0.5,
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "empty": torch.empty(0, 4),
+        "emb": tied,
+        "head": tied,
+    }
+    out = {k: v.cuda() for k, v in cpu.items() if k != "head"}
+    out["head"] = out["emb"]
+    out["t"] = torch.randn(96, 64, generator=g).cuda().t()  # non-contiguous
+    return out
+
+
+def test_the_pool_is_pinned(tmp_path: Path) -> None:
+    with _store(tmp_path / "s", pool_bytes=4 * MiB) as s:
+        assert s.pool.pin
+        slot, _ = s.pool.acquire()
+        try:
+            assert slot.buf.is_pinned()
+        finally:
+            s.pool.release(slot)
+
+
+@pytest.mark.parametrize("how", ["sync", "async", "lazy"])
+def test_cuda_state_round_trips_bit_exact_on_cpu_and_cuda(tmp_path: Path, how: str) -> None:
+    state = _gpu_state(1)
+    want = _host(state)
+    with _store(tmp_path / "s") as s:
+        if how == "sync":
+            v = s.save(state)
+        else:
+            h = s.save_async(state, lazy=how == "lazy")
+            v = h.result(WAIT)
+        on_cpu = s.load(v)
+        on_gpu = s.load(v, device="cuda")
+    assert _host(on_cpu) == want
+    assert {t.device.type for t in on_cpu.values()} == {"cpu"}
+    assert {t.device.type for t in on_gpu.values()} == {"cuda"}
+    assert _host(on_gpu) == want
+    for got in (on_cpu, on_gpu):
+        assert got["emb"].untyped_storage().data_ptr() == got["head"].untyped_storage().data_ptr()
+        assert (got["t"].shape, got["bf16"].dtype, got["scalar"].shape) == ((64, 96), torch.bfloat16, ())
+
+
+def test_the_same_bytes_from_cuda_and_cpu_are_one_set_of_chunks(tmp_path: Path) -> None:
+    state = _gpu_state(2)
+    on_host = {k: v.cpu() for k, v in state.items()}
+    on_host["head"] = on_host["emb"]
+    with _store(tmp_path / "s") as s:
+        first = s.save(on_host, branch="cpu")
+        second = s.save(state, branch="gpu")
+        assert first.bytes_new > 0
+        assert second.bytes_new == 0  # every chunk the GPU state hashed was already stored from the host copy
+
+
+def test_async_save_over_a_pool_smaller_than_the_state_keeps_the_bytes_of_the_call(tmp_path: Path) -> None:
+    """Twelve slots' worth of CUDA tensors through a two-slot pool: slots are reused while the side stream still
+    copies into others, and the caller mutates the tensors as soon as the call returns."""
+    g = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(3 * MiB // 4, generator=g).cuda() for i in range(4)}
+    want = _host(state)
+    with _store(tmp_path / "s", pool_bytes=2 * MiB) as s:
+        h = s.save_async(state)
+        for t in state.values():
+            t.mul_(-1)  # on the caller's stream: ordered after the side stream's copies
+        v = h.result(WAIT)
+        torch.cuda.synchronize()
+        assert all(_bits(t) != want[k] for k, t in state.items())
+        assert _host(s.load(v)) == want
+
+
+def test_reuse_unchanged_with_cuda_tensors_stores_only_what_changed(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(4)
+    state = {f"p{i}": torch.randn(64 << 10, generator=g).cuda() for i in range(20)}  # 256 KiB each
+    with _store(tmp_path / "s", reuse_unchanged=True) as s:
+        s.save(state)
+        state["p3"].add_(1)
+        state["p11"].mul_(2)
+        want = _host(state)
+        v = s.save(state)
+        assert v.bytes_new == 2 * (256 << 10)
+        assert _host(s.load(v)) == want
+        assert _host(s.load(v, device="cuda")) == want
+
+
+def test_lazy_save_with_a_cuda_optimizer_keeps_the_weights_before_the_step(tmp_path: Path) -> None:
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.Linear(512, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(32, 256, device="cuda")
+    model(x).pow(2).mean().backward()
+    opt.step()
+    before = {k: _bits(v) for k, v in model.state_dict().items()}
+    with _store(tmp_path / "s") as s:
+        h = s.save_async({"model": model, "opt": opt.state_dict()}, lazy=True, optimizer=opt)
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()  # waits for the staging of the weights it is about to change
+        after = {k: _bits(v) for k, v in model.state_dict().items()}
+        assert {k for k in before if before[k] != after[k]} == {k for k, p in model.named_parameters()}
+        got = s.load(h.result(WAIT))
+        assert {k: _bits(v) for k, v in got["model"].items()} == before
+
+
+def test_one_key_loads_onto_cuda(tmp_path: Path) -> None:
+    state = _gpu_state(6)
+    with _store(tmp_path / "s") as s:
+        v = s.save(state)
+        got = s.load(v, keys=["f32"], device="cuda")
+    assert list(got) == ["f32"]
+    assert got["f32"].device.type == "cuda"
+    assert _bits(got["f32"]) == _bits(state["f32"])
+
+
+def test_small_cuda_pieces_are_gathered_in_runs_that_host_and_big_pieces_end() -> None:
+    from datastates.save.capture import _GATHER_BELOW, _cuda_runs
+
+    def gpu(n: int) -> torch.Tensor:
+        return torch.zeros(n, dtype=torch.uint8, device="cuda")
+
+    big = _GATHER_BELOW
+    batch = [(0, 16, gpu(16)), (64, 16, gpu(16)), (128, 16, torch.zeros(16, dtype=torch.uint8)),
+             (192, 16, gpu(16)), (256, big, gpu(big)), (256 + big, 16, gpu(16)), (320 + big, 8, gpu(8)),
+             (384 + big, 4, gpu(4))]
+    alone, runs = _cuda_runs(batch)
+    assert [(off, n) for off, n, _ in alone] == [(192, 16), (256, big)]
+    assert [(r.start, r.end) for r in runs] == [(0, 80), (256 + big, 388 + big)]
+
+
+def test_a_mixed_host_and_cuda_state_keeps_every_byte_when_small_cuda_pieces_are_gathered(tmp_path: Path) -> None:
+    """Small CUDA tensors between host tensors and big CUDA ones, in slots that hold all three: a gathered run is
+    copied to the slot as one stretch, which must not overwrite the host pieces beside it."""
+    g = torch.Generator().manual_seed(7)
+    state: dict[str, torch.Tensor] = {}
+    for i in range(300):
+        n = [100, 4096, 16 << 10, 3 << 18][i % 4]
+        t = torch.randn(n, generator=g)
+        state[f"t{i:03d}"] = t.cuda() if i % 5 else t  # every fifth on the host
+    want = _host(state)
+    with _store(tmp_path / "s", pool_bytes=8 * MiB, chunk_size=4 * MiB) as s:
+        for lazy in (False, True):
+            h = s.save_async(state, lazy=lazy, branch=f"b{lazy}")
+            h.wait_staged(WAIT)
+            for t in state.values():
+                t.add_(1)
+            v = h.result(WAIT)
+            assert _host(s.load(v)) == want
+            want = _host(state)
