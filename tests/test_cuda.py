@@ -199,3 +199,19 @@ def test_a_mixed_host_and_cuda_state_keeps_every_byte_when_small_cuda_pieces_are
             v = h.result(WAIT)
             assert _host(s.load(v)) == want
             want = _host(state)
+
+
+def test_a_load_onto_cuda_through_buffers_smaller_than_the_state_is_bit_exact(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many turns of the two pinned buffers, and tensors of several chunks split across them."""
+    from datastates.repo import reader
+
+    monkeypatch.setattr(reader, "STAGE_BYTES", 256 << 10)
+    state = _gpu_state(8)
+    want = _host(state)
+    with _store(tmp_path / "s") as s:
+        v = s.save(state)
+        got = s.load(v, device="cuda")
+    assert {t.device.type for t in got.values()} == {"cuda"}
+    assert _host(got) == want
+    assert got["emb"].untyped_storage().data_ptr() == got["head"].untyped_storage().data_ptr()

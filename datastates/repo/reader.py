@@ -81,9 +81,10 @@ def _load(repo: Repository, ref: Any, keys: Iterable[str] | None, dev: torch.dev
 
     for i in named:
         want(i)
-    loaded = _read_rows(repo, m, [i for i in wanted if kind[i] in ("tensor", "storage")], executor, cols)
+    read = [i for i in wanted if kind[i] in ("tensor", "storage")]
     # The rows read are the bases of the others (aliases name a tensor row, views a storage row).
-    out = loaded if dev.type == "cpu" else {i: t.to(dev) for i, t in loaded.items()}
+    out = _read_rows(repo, m, read, executor, cols) if dev.type == "cpu" else _read_rows_onto(
+        repo, m, read, executor, cols, dev)
     for i in wanted:
         if i in out:
             continue
@@ -130,6 +131,86 @@ def _read_rows(repo: Repository, m: Manifest, rows: list[int], executor: Executo
         out[i], flat = _empty_row(m, keys[i], dtypes[i], shapes[i], nbytes[i])
         items.append((chunks[i], flat, keys[i]))
     repo.objects.read_many_into(items, executor)
+    return out
+
+
+STAGE_BYTES = 64 << 20
+"""A load onto a GPU reads through two pinned host buffers of this size, in turns (see `_read_rows_onto`)."""
+
+
+def _read_rows_onto(repo: Repository, m: Manifest, rows: list[int], executor: Executor | None,
+                    cols: dict[str, Any], dev: torch.device, stage_bytes: int | None = None
+                    ) -> dict[int, torch.Tensor]:
+    """Tensor rows `rows` of `m`, as `_read_rows` reads them, made on `dev` (an accelerator): each tensor is
+    allocated there, and its chunks are read and verified into one of two reused pinned host buffers, then copied
+    on with `non_blocking`, so that the next group's read overlaps this group's copy. The host memory touched
+    is the two buffers, not the state: reading into new pageable memory and copying each tensor from there made
+    a load onto an H100 0.17-0.19 s slower than onto the host for 1.1 GiB. A tensor bigger than a buffer is
+    read a run of chunks at a time. The copies are queued on the current stream, so work queued after the load
+    sees the tensors complete, as with `Tensor.to(dev, non_blocking=True)`.
+    Raises IntegrityError, NotFoundError as `_read_rows`."""
+    stage_bytes = STAGE_BYTES if stage_bytes is None else stage_bytes
+    out: dict[int, torch.Tensor] = {}
+    segments: list[tuple[list[bytes], torch.Tensor, str]] = []  # (chunks, the bytes on `dev` they fill, key)
+    keys, dtypes, shapes, nbytes, chunks = cols["key"], cols["dtype"], cols["shape"], cols["nbytes"], cols["chunks"]
+    big = {i: repo.objects.index.chunks(chunks[i]) for i in rows if nbytes[i] > stage_bytes}
+    stage_bytes = max([stage_bytes, *(loc.raw_length for locs in big.values() for loc in locs if loc is not None)])
+    hosted = []  # rows whose chunks are not all in the catalog: the host path reports what is missing
+    for i in rows:
+        if any(loc is None for loc in big.get(i, ())):
+            hosted.append(i)
+            continue
+        t = torch.empty(shapes[i], dtype=dtype_from_name(dtypes[i]), device=dev)
+        n = t.numel() * t.element_size()
+        if n != nbytes[i]:
+            raise IntegrityError(f"tensor {keys[i]!r} in manifest {m.id[:12]}: {nbytes[i]} bytes stored for "
+                                 f"dtype {dtypes[i]} shape {shapes[i]}; run `datastates fsck`")
+        out[i] = t
+        if not n:
+            continue
+        flat = t.reshape(-1).view(torch.uint8)
+        if i not in big:
+            segments.append((chunks[i], flat, keys[i]))
+            continue
+        pos, first, size = 0, 0, 0
+        for j, loc in enumerate(big[i]):
+            assert loc is not None
+            if size + loc.raw_length > stage_bytes:
+                segments.append((chunks[i][first:j], flat[pos:pos + size], keys[i]))
+                pos, first, size = pos + size, j, 0
+            size += loc.raw_length
+        segments.append((chunks[i][first:], flat[pos:pos + size], keys[i]))
+    if hosted:
+        out.update({i: t.to(dev) for i, t in _read_rows(repo, m, hosted, executor, cols).items()})
+    pin = dev.type == "cuda"
+    size_of = min(stage_bytes, sum(len(d) for _, d, _ in segments))
+    buffers: list[torch.Tensor] = []
+    done: list[Any] = [None, None]
+    turn, start = 0, 0
+    while start < len(segments):
+        end, size = start, 0
+        while end < len(segments) and size + len(segments[end][1]) <= size_of:
+            size += len(segments[end][1])
+            end += 1
+        if len(buffers) == turn:  # the second buffer only when there is a second turn
+            buffers.append(torch.empty(size_of, dtype=torch.uint8, pin_memory=pin))
+        buf = buffers[turn]
+        if done[turn] is not None:
+            done[turn].synchronize()  # its last copy out has finished
+        arr = buf.numpy()
+        items, pos = [], 0
+        for cids, dest, key in segments[start:end]:
+            items.append((cids, arr[pos:pos + len(dest)], key))
+            pos += len(dest)
+        repo.objects.read_many_into(items, executor)
+        pos = 0
+        for _, dest, _ in segments[start:end]:
+            dest.copy_(buf[pos:pos + len(dest)], non_blocking=pin)
+            pos += len(dest)
+        if pin:
+            done[turn] = torch.cuda.Event()
+            done[turn].record(torch.cuda.current_stream(dev))
+        turn, start = 1 - turn, end
     return out
 
 

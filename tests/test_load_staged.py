@@ -1,0 +1,73 @@
+"""The staged read of a load onto an accelerator (`reader._read_rows_onto`): chunks read into two reused host
+buffers in turns and copied on. Run here with the host as the destination and buffers smaller than the state,
+so that grouping, the turns and the split of a tensor bigger than a buffer run without a GPU (tests/test_cuda.py
+runs the same through `load(device="cuda")`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import datastates as ds
+from datastates.errors import IntegrityError
+from datastates.repo import reader
+
+KiB = 1 << 10
+
+
+def _state() -> dict[str, Any]:
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(5000, generator=g)
+    return {
+        "big": torch.randn(40 * KiB, generator=g),  # 160 KiB: five 32 KiB chunks, over two 64 KiB buffers' worth
+        "odd": torch.randn(9 * KiB + 3, generator=g),  # 36 KiB + 12 bytes: two chunks, the second short
+        "small": [torch.randn(n, generator=g) for n in (1, 7, 100, 4 * KiB)],
+        "bf16": torch.randn(333, generator=g).to(torch.bfloat16),
+        "i64": torch.arange(-50, 50, dtype=torch.int64),
+        "flag": torch.rand(77, generator=g) > 0.5,
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 3),
+        "tied": base, "tied_again": base, "view": base[10:20],
+    }
+
+
+def _rows(s: ds.Store, v: ds.Version) -> tuple[Any, list[int], dict[str, Any]]:
+    m = s.repo.manifest_of(v)
+    cols = m.load_columns()
+    return m, [i for i, k in enumerate(cols["kind"]) if k in ("tensor", "storage")], cols
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("stage", [32 * KiB, 64 * KiB + 8, 1 << 20])
+def test_staged_rows_are_the_bytes_of_the_host_read(tmp_path: Path, stage: int) -> None:
+    with ds.Store.open(tmp_path / "s", chunk_size=32 * KiB) as s:
+        v = s.save(_state())
+        m, rows, cols = _rows(s, v)
+        want = reader._read_rows(s.repo, m, rows, None, cols)
+        got = reader._read_rows_onto(s.repo, m, rows, None, cols, torch.device("cpu"), stage_bytes=stage)
+    assert sorted(got) == sorted(want) and len(rows) == 12
+    for i in rows:
+        assert (got[i].dtype, got[i].shape) == (want[i].dtype, want[i].shape), cols["key"][i]
+        assert _bytes(got[i]) == _bytes(want[i]), cols["key"][i]
+
+
+def test_a_flipped_byte_fails_the_staged_read(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s", chunk_size=32 * KiB) as s:
+        v = s.save(_state())
+        m, rows, cols = _rows(s, v)
+        loc = s.repo.objects.index.chunks([cols["chunks"][rows[0]][2]])[0]
+        assert loc is not None
+        pack = next(p for p in (tmp_path / "s").rglob("*") if p.is_file() and p.name.startswith(loc.pack))
+        with open(pack, "r+b") as f:
+            f.seek(loc.offset + 5)
+            b = f.read(1)
+            f.seek(loc.offset + 5)
+            f.write(bytes([b[0] ^ 0x01]))
+        with pytest.raises(IntegrityError):
+            reader._read_rows_onto(s.repo, m, rows, None, cols, torch.device("cpu"), stage_bytes=64 * KiB)
