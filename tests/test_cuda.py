@@ -215,3 +215,16 @@ def test_a_load_onto_cuda_through_buffers_smaller_than_the_state_is_bit_exact(tm
     assert {t.device.type for t in got.values()} == {"cuda"}
     assert _host(got) == want
     assert got["emb"].untyped_storage().data_ptr() == got["head"].untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_state_spread_over_two_gpus_is_saved_bit_exact(tmp_path: Path) -> None:
+    """The side stream is one device's: a state on two GPUs is copied synchronously, never hashed half-copied."""
+    g = torch.Generator().manual_seed(9)
+    state = {f"w{i}": torch.randn(200_000 + i, generator=g).to(f"cuda:{i % 2}") for i in range(8)}
+    want = _host(state)
+    with _store(tmp_path / "s", pool_bytes=2 * MiB) as s:
+        h = s.save_async(state)
+        for t in state.values():
+            t.mul_(-1)
+        assert _host(s.load(h.result(WAIT))) == want

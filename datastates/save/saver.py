@@ -179,7 +179,12 @@ class Saver:
             pass  # reported through the handle by the pipeline
 
     def _staging_for(self, entries: list[Any]) -> CudaStaging | None:
-        if not any(e.source is not None and e.source.is_cuda for e in entries):
+        """The side stream for a job with CUDA tensors, all on the current device; None otherwise. A stream and its
+        events belong to one device, and a copy from another device's tensor runs on that device's stream, which
+        the slot's event would not cover: a state spread over several GPUs (a model split across them in one
+        process) is copied synchronously instead."""
+        devices = {e.source.device for e in entries if e.source is not None and e.source.is_cuda}
+        if not devices or devices != {torch.device("cuda", torch.cuda.current_device())}:
             return None
         if self._cuda is None:
             self._cuda = CudaStaging(self.pool.slot_bytes)
