@@ -7,9 +7,12 @@ of the partial save does (it is deterministic: only the changed tensors' chunks 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from datastates import bench
 from datastates.cli import main
@@ -82,3 +85,20 @@ def test_bad_skip_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["bench", "--quick", "--store", str(tmp_path), "--skip", "nonsense"]) == 2
     assert "nonsense" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_gpu_probe_runs_on_the_host_and_names_each_shape(tmp_path: Path) -> None:
+    """docs/gpu_probe.py (the figures of docs/benchmarks.md "On a GPU"), as a smoke test with `--device cpu`."""
+    probe = Path(__file__).parent.parent / "docs" / "gpu_probe.py"
+    lines = {}
+    for mode in ("block", "load"):
+        r = subprocess.run([sys.executable, str(probe), mode, "--device", "cpu", "--shapes", "cnn", "--scale", "0.01",
+                            "--repeats", "1", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        lines[mode] = r.stdout.strip().splitlines()
+    assert len(lines["block"]) == 1 and lines["block"][0].startswith("cnn x0.01: 238 tensors | copy loop ")
+    assert len(lines["load"]) == 1 and lines["load"][0].startswith("cnn x0.01 cold load onto cpu: datastates ")
+    assert list(tmp_path.iterdir()) == []  # every store and file of the probe is removed
+    if not torch.cuda.is_available():
+        r = subprocess.run([sys.executable, str(probe), "load"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and "pass --device cpu" in r.stderr
