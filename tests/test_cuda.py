@@ -228,3 +228,31 @@ def test_a_state_spread_over_two_gpus_is_saved_bit_exact(tmp_path: Path) -> None
         for t in state.values():
             t.mul_(-1)
         assert _host(s.load(h.result(WAIT))) == want
+
+
+def test_checkout_into_a_cuda_model_and_its_optimizer_restores_every_byte_and_trains_on(tmp_path: Path) -> None:
+    """The model's state is read straight onto its GPU; the optimizer's through the host, so that AdamW keeps
+    its `step` on the host, where a non-capturable AdamW wants it."""
+    from datastates.repo.reader import _module_device
+
+    torch.manual_seed(10)
+    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.Linear(128, 4)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    x = torch.randn(16, 64, device="cuda")
+    model(x).pow(2).mean().backward()
+    opt.step()
+    assert _module_device(model) == torch.device("cuda", torch.cuda.current_device())
+    with _store(tmp_path / "s") as s:
+        v = s.save({"model": model, "optimizer": opt.state_dict()})
+        want = {k: _bits(t) for k, t in model.state_dict().items()}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+        s.checkout(v, model=model, optimizer=opt)
+    assert {k: _bits(t) for k, t in model.state_dict().items()} == want
+    assert {p.device.type for p in model.parameters()} == {"cuda"}
+    assert all(st["step"].device.type == "cpu" for st in opt.state.values())
+    assert all(st["exp_avg"].device.type == "cuda" for st in opt.state.values())
+    opt.zero_grad()
+    model(x).pow(2).mean().backward()
+    opt.step()  # trains on from the restored state

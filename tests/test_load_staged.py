@@ -71,3 +71,11 @@ def test_a_flipped_byte_fails_the_staged_read(tmp_path: Path) -> None:
             f.write(bytes([b[0] ^ 0x01]))
         with pytest.raises(IntegrityError):
             reader._read_rows_onto(s.repo, m, rows, None, cols, torch.device("cpu"), stage_bytes=64 * KiB)
+
+
+def test_checkout_reads_a_module_onto_its_one_accelerator_and_everything_else_onto_the_host() -> None:
+    on_meta = torch.nn.Linear(2, 2, device="meta")
+    assert reader._module_device(torch.nn.Linear(2, 2)) == torch.device("cpu")
+    assert reader._module_device(on_meta) == torch.device("cpu")
+    assert reader._module_device(torch.nn.ReLU()) == torch.device("cpu")  # no tensors at all
+    assert reader._module_device({"step": 1}) == torch.device("cpu")

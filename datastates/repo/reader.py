@@ -272,7 +272,16 @@ def checkout(repo: Repository, ref: Any, objects: dict[str, Any], *, strict: boo
             raise NotFoundError(f"version {v.short} has no key {name!r} (top-level keys: {keys}); "
                                 "pass the objects under the names they were saved with")
         names[name] = key
-    state = load(repo, v, keys=list(names.values()), allow_pickle=allow_pickle, executor=executor, version=v)
+    # A module whose tensors all live on one accelerator gets its state read straight onto it (`_read_rows_onto`),
+    # not into new host memory first; the rest (optimizers: their load_state_dict places each state tensor
+    # itself, and keeps `step` where it came from) is read onto the host.
+    by_device: dict[torch.device, list[str]] = {}
+    for name, obj in objects.items():
+        by_device.setdefault(_module_device(obj), []).append(names[name])
+    state: dict[str, Any] = {}
+    for dev, wanted in by_device.items():
+        state.update(load(repo, v, keys=wanted, device=dev, allow_pickle=allow_pickle, executor=executor,
+                          version=v))
     for name, obj in objects.items():  # check everything first: a failed checkout changes nothing
         if isinstance(obj, torch.nn.Module):
             _check_shapes(name, state[names[name]], obj.state_dict(), v)
@@ -295,6 +304,18 @@ def usable_device(device: str | torch.device) -> torch.device:
         raise DeviceError(f"cannot load onto device {device!r}: {str(exc).splitlines()[0]}; "
                           "pass device='cpu' (the default) or a device this process has") from exc
     return dev
+
+
+def _module_device(obj: Any) -> torch.device:
+    """The one accelerator all of `obj`'s parameters and buffers are on, when `obj` is an `nn.Module` with some;
+    the host otherwise (any other object, a module on the host, on several devices, or on `meta`)."""
+    if isinstance(obj, torch.nn.Module):
+        devices = {t.device for t in (*obj.parameters(), *obj.buffers())}
+        if len(devices) == 1:
+            (dev,) = devices
+            if dev.type not in ("cpu", "meta"):
+                return dev
+    return torch.device("cpu")
 
 
 def _check_shapes(name: str, saved: Any, live: dict[str, Any], v: Version) -> None:

@@ -122,7 +122,7 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
                 except BaseException:
                     pool.release(slot)
                     raise
-                if step.has_cuda:
+                if cuda is not None and step.has_cuda:
                     slot.keep = step  # its sources stay alive until the slot's copies are done (Slot.keep)
             _hand_over(job, slot, cuda)
         if cuda is not None:
