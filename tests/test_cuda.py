@@ -64,6 +64,17 @@ def _gpu_state(seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
+def _trained(seed: int, norm: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    """A small CUDA model with `norm` between two layers, and its AdamW after one step."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 512), norm, nn.Linear(512, 10)).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(32, 256, device="cuda")
+    model(x).pow(2).mean().backward()
+    opt.step()
+    return model, opt, x
+
+
 def test_the_pool_is_pinned(tmp_path: Path) -> None:
     with _store(tmp_path / "s", pool_bytes=4 * MiB) as s:
         assert s.pool.pin
@@ -137,12 +148,7 @@ def test_reuse_unchanged_with_cuda_tensors_stores_only_what_changed(tmp_path: Pa
 
 
 def test_lazy_save_with_a_cuda_optimizer_keeps_the_weights_before_the_step(tmp_path: Path) -> None:
-    torch.manual_seed(5)
-    model = nn.Sequential(nn.Linear(256, 512), nn.LayerNorm(512), nn.Linear(512, 10)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    x = torch.randn(32, 256, device="cuda")
-    model(x).pow(2).mean().backward()
-    opt.step()
+    model, opt, x = _trained(5, nn.LayerNorm(512))
     before = {k: _bits(v) for k, v in model.state_dict().items()}
     with _store(tmp_path / "s") as s:
         h = s.save_async({"model": model, "opt": opt.state_dict()}, lazy=True, optimizer=opt)
@@ -235,12 +241,7 @@ def test_checkout_into_a_cuda_model_and_its_optimizer_restores_every_byte_and_tr
     its `step` on the host, where a non-capturable AdamW wants it."""
     from datastates.repo.reader import _module_device
 
-    torch.manual_seed(10)
-    model = nn.Sequential(nn.Linear(64, 128), nn.BatchNorm1d(128), nn.Linear(128, 4)).cuda()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    x = torch.randn(16, 64, device="cuda")
-    model(x).pow(2).mean().backward()
-    opt.step()
+    model, opt, x = _trained(10, nn.BatchNorm1d(512))
     assert _module_device(model) == torch.device("cuda", torch.cuda.current_device())
     with _store(tmp_path / "s") as s:
         v = s.save({"model": model, "optimizer": opt.state_dict()})
