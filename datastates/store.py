@@ -535,7 +535,9 @@ class Store(Queries):
         `keys` selects key paths (exact, a prefix ending at a '.', or a glob). A version saved by
         several ranks: by default each rank of `comm` (default: the store's) gets its own entries;
         at another world size, the replicated entries (from rank 0's manifest); `rank=r` reads
-        rank r's entries whatever the world size.
+        rank r's entries whatever the world size. `device`: where the tensors are made; onto a GPU the
+        chunks are read and verified through two reused 64 MiB pinned host buffers and copied on
+        asynchronously on the current stream (work queued after the call sees them complete).
         Raises NotFoundError (ref, key), PrunedError, IntegrityError, InvalidArgumentError (sharded
         entries at another world size without rank=), UnsupportedValueError (pickle without
         allow_pickle), DeviceError (before reading anything).
@@ -557,8 +559,11 @@ class Store(Queries):
         """Load `ref` into live objects: `checkout("warm", model=m, optimizer=opt)`.
 
         Each keyword names a top-level key of the saved state (with the usual
-        aliases: optimizer/optim, scheduler/lr_scheduler). Raises NotFoundError
-        naming the missing key and the keys that exist; nothing changes unless all fit.
+        aliases: optimizer/optim, scheduler/lr_scheduler). A module whose parameters
+        and buffers all live on one GPU has its state read straight onto that GPU;
+        everything else is read onto the host and placed by its `load_state_dict`.
+        Raises NotFoundError naming the missing key and the keys that exist;
+        nothing changes unless all fit.
         """
         return reader.checkout(self.repo, ref, objects, strict=strict, allow_pickle=allow_pickle,
                                executor=self._readers)
