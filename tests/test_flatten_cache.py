@@ -410,3 +410,41 @@ def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp
             back = store.load(v)
             assert back["step"] == step
             assert torch.equal(back["w"][0], st["w"][0]) and len(back["w"]) == 21
+
+
+def test_a_manifest_is_the_arrow_file_of_its_columns_byte_for_byte() -> None:
+    """`encode` builds its columns in the system pool and hands out a view of the Arrow buffer (less resident
+    memory, no copy): the bytes, and so every manifest id, are those of Arrow's plain `from_pydict` file."""
+    import json
+
+    import pyarrow as pa
+
+    from datastates.save import manifest as mf
+
+    g = torch.Generator().manual_seed(12)
+    st: dict[str, Any] = {"w": [torch.randn(64 + i, generator=g) for i in range(30)], "step": 3,
+                          "half": torch.ones(7, dtype=torch.bfloat16), "base": torch.arange(6), "none": None}
+    st["view"] = st["base"][2:]
+    tree, rows = flatten(st)
+    for i, e in enumerate(rows):
+        e.chunks = [bytes([i, j]) * 16 for j in range(i % 3)]
+        e.stats = {} if i % 4 == 0 else {"min": -float(i), "max": float(i), "mean": 0.5, "std": None, "l2": 2.0,
+                                         "nan_count": i, "inf_count": 0}
+    mid, data = mf.encode(tree, rows, 1 << 20)
+    cols: dict[str, Any] = {
+        "key": [e.key for e in rows], "kind": [e.kind for e in rows], "dtype": [mf.dtype_name(e.dtype) for e in rows],
+        "shape": [list(e.shape) for e in rows], "stride": [list(e.stride) for e in rows],
+        "device": [e.device for e in rows], "base": [e.base for e in rows], "offset": [e.offset for e in rows],
+        "nbytes": [e.nbytes for e in rows], "chunks": [e.chunks for e in rows]}
+    for f in (*mf.STAT_FIELDS, *mf.COUNT_FIELDS):
+        cols[f] = [e.stats.get(f) for e in rows]
+    meta = {b"datastates.format": mf.MANIFEST_FORMAT.encode(),
+            b"datastates.tree": json.dumps(tree, separators=(",", ":")).encode(), b"datastates.chunk_size": b"1048576"}
+    table = pa.Table.from_pydict(cols, schema=mf.SCHEMA.with_metadata(meta))
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table)
+    want = sink.getvalue().to_pybytes()
+    assert data == want and bytes(data) == want and data.readonly
+    assert mid == mf.Manifest(mid, data).id
+    assert [r["key"] for r in map(mf.Manifest(mid, data).row, range(len(rows)))] == cols["key"]

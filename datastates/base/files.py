@@ -97,7 +97,7 @@ def make_dirs(path: Path) -> None:
     fsync_dir(path.parent)
 
 
-def _write_tmp(final: Path, data: bytes) -> Path:
+def _write_tmp(final: Path, data: bytes | memoryview) -> Path:
     make_dirs(final.parent)
     tmp = _tmp_path(final)
     try:
@@ -122,7 +122,7 @@ def raise_full_or(exc: OSError, path: Path) -> NoReturn:
     raise exc
 
 
-def write_new(final: Path, data: bytes) -> bool:
+def write_new(final: Path, data: bytes | memoryview) -> bool:
     """Write an immutable file; never replaces an existing one.
 
     Returns False when `final` already existed (content-addressed files with

@@ -82,7 +82,7 @@ class Tier:
     def annotation_path(self, vid: str) -> Path:
         return self._obj("annotations", vid, "json")
 
-    def write_manifest(self, mid: str, data: bytes) -> None:
+    def write_manifest(self, mid: str, data: bytes | memoryview) -> None:
         write_new(self.manifest_path(mid), data)
 
     def write_record(self, vid: str, data: bytes) -> None:

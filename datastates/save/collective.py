@@ -127,7 +127,7 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
                              "packs": packs, "bytes_new": job.bytes_new, "chunks_new": len(job.new_chunks),
                              "bytes_total": sum(e.nbytes for i, e in enumerate(job.entries) if i not in dist.remote),
                              # every node's catalog needs every rank's manifest (loads at other world sizes)
-                             "mdata": mdata if many_tiers else None})
+                             "mdata": bytes(mdata) if many_tiers else None})
     outcome: Any = None
     if comm.rank == 0:
         try:
