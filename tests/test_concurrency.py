@@ -157,3 +157,32 @@ def test_same_new_bytes_from_two_writers_leave_a_clean_store(tmp_path: Path) -> 
         assert torch.equal(a.load(va)["t"], state["t"]) and torch.equal(a.load(vb)["t"], state["t"])
         rep = a.fsck()
         assert rep.ok, rep.problems
+
+
+def test_a_store_created_between_two_looks_at_its_directory_opens(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regression (a 4-rank DCP test, 1 run in 12 under a CPU hog): a process saw no FORMAT, then, listing the
+    directory, the catalog another rank had made after creating the store, and refused it as a foreign
+    non-empty directory. Replayed without timing: the first look at FORMAT is answered as it was before the
+    other process wrote it."""
+    from datastates.objects.tier import Tier
+
+    path = tmp_path / "store"
+    ds.Store.open(path).close()  # the other process: FORMAT, then the catalog
+    real_exists = Path.exists
+    looks: list[Path] = []
+
+    def exists(self: Path, *a: object, **k: object) -> bool:
+        if self.name == "FORMAT" and not looks:
+            looks.append(self)
+            return False  # the first look, before the other process wrote it
+        return real_exists(self, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Path, "exists", exists)
+    info = Tier(path).read_format()
+    assert looks == [path / "FORMAT"]
+    assert info is not None and info["format"] == 1
+    monkeypatch.undo()
+    (path / "FORMAT").unlink()  # a directory that really holds no store is still refused
+    with pytest.raises(ds.StoreFormatError, match="no FORMAT file"):
+        Tier(path).read_format()

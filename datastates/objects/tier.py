@@ -48,11 +48,14 @@ class Tier:
         """
         f = self.root / "FORMAT"
         if not f.exists():
-            if self.root.is_dir() and any(p for p in self.root.iterdir() if not p.name.startswith(".")):
+            if not (self.root.is_dir() and any(p for p in self.root.iterdir() if not p.name.startswith("."))):
+                return None
+            # A store's creator writes FORMAT before anything else: what the listing saw was made after it by a
+            # process that created the store since our first look (four ranks opening one new store at once).
+            if not f.exists():
                 raise StoreFormatError(
                     f"{self.root} is not empty and holds no datastates store (no FORMAT file); pick an empty directory"
                 )
-            return None
         try:
             info = json.loads(f.read_text())
             fmt = int(info["format"])
