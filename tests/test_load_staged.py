@@ -79,3 +79,22 @@ def test_checkout_reads_a_module_onto_its_one_accelerator_and_everything_else_on
     assert reader._module_device(on_meta) == torch.device("cpu")
     assert reader._module_device(torch.nn.ReLU()) == torch.device("cpu")  # no tensors at all
     assert reader._module_device({"step": 1}) == torch.device("cpu")
+
+
+def test_a_refused_pinned_buffer_becomes_a_pageable_one(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """Pinned memory is locked and scarce: when the driver refuses it, a load onto the GPU copies from pageable
+    memory (synchronously) instead of failing."""
+    real_empty = torch.empty
+
+    def empty(*a: Any, **k: Any) -> torch.Tensor:
+        if k.get("pin_memory"):
+            raise RuntimeError("CUDA error: out of memory\nmore")
+        return real_empty(*a, **k)
+
+    monkeypatch.setattr(torch, "empty", empty)
+    buf, pinned = reader.host_buffer(4096, True)
+    assert (buf.numel(), buf.dtype, pinned) == (4096, torch.uint8, False)
+    assert "no pinned host memory for a load onto the GPU (CUDA error: out of memory)" in caplog.text
+    buf, pinned = reader.host_buffer(100, False)
+    assert (buf.numel(), pinned) == (100, False)

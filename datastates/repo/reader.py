@@ -4,6 +4,7 @@ into live objects. Reads go through the object store (verified, across tiers).""
 from __future__ import annotations
 
 import fnmatch
+import logging
 from collections.abc import Iterable
 from concurrent.futures import Executor
 from typing import Any
@@ -26,6 +27,8 @@ from ..save.collective import matches
 from ..save.manifest import Manifest
 from ..save.tree import SKIP, Route, dtype_from_name, key_patterns, tensor_rows, unflatten
 from .repository import Repository
+
+log = logging.getLogger("datastates")
 
 ALIASES = {"optimizer": ("optim", "opt"), "optim": ("optimizer", "opt"), "scheduler": ("lr_scheduler", "sched"),
            "lr_scheduler": ("scheduler", "sched"), "scaler": ("grad_scaler",)}
@@ -185,7 +188,7 @@ def _read_rows_onto(repo: Repository, m: Manifest, rows: list[int], executor: Ex
         out.update({i: t.to(dev) for i, t in _read_rows(repo, m, hosted, executor, cols).items()})
     pin = dev.type == "cuda"
     size_of = min(stage_bytes, sum(len(d) for _, d, _ in segments))
-    buffers: list[torch.Tensor] = []
+    buffers: list[tuple[torch.Tensor, bool]] = []  # (buffer, pinned)
     done: list[Any] = [None, None]
     spread: torch.Tensor | None = None  # on `dev`: a group's bytes, spread from there into their tensors
     turn, start = 0, 0
@@ -195,8 +198,8 @@ def _read_rows_onto(repo: Repository, m: Manifest, rows: list[int], executor: Ex
             size += len(segments[end][1])
             end += 1
         if len(buffers) == turn:  # the second buffer only when there is a second turn
-            buffers.append(torch.empty(size_of, dtype=torch.uint8, pin_memory=pin))
-        buf = buffers[turn]
+            buffers.append(host_buffer(size_of, pin))
+        buf, pinned = buffers[turn]
         if done[turn] is not None:
             done[turn].synchronize()  # its last copy out has finished
         arr = buf.numpy()
@@ -207,19 +210,31 @@ def _read_rows_onto(repo: Repository, m: Manifest, rows: list[int], executor: Ex
         repo.objects.read_many_into(items, executor)
         dests = [dest for _, dest, _ in segments[start:end]]
         if len(dests) == 1:
-            dests[0].copy_(buf[:size], non_blocking=pin)
+            dests[0].copy_(buf[:size], non_blocking=pinned)
         else:
             # Many tensors: one copy across, then one `_foreach_copy_` on the device into their storages (a copy
             # per tensor cost more than the whole-host-load path's `.to()` with 8,000 small tensors).
             if spread is None:
                 spread = torch.empty(size_of, dtype=torch.uint8, device=dev)
-            spread[:size].copy_(buf[:size], non_blocking=pin)
+            spread[:size].copy_(buf[:size], non_blocking=pinned)
             torch._foreach_copy_(dests, list(spread[:size].split([len(d) for d in dests])))
-        if pin:
+        if pinned:  # a copy from pageable memory has read it all when it returns
             done[turn] = torch.cuda.Event()
             done[turn].record(torch.cuda.current_stream(dev))
         turn, start = 1 - turn, end
     return out
+
+
+def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
+    """A host buffer of `nbytes` and whether it is pinned: pinned when `pin` and the driver grants it. A refusal
+    (pinned memory is a scarce, locked resource) makes the copies from it synchronous, not the load fail."""
+    if pin:
+        try:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), True
+        except RuntimeError as exc:
+            log.warning("no pinned host memory for a load onto the GPU (%s); copying from pageable memory",
+                        str(exc).splitlines()[0])
+    return torch.empty(nbytes, dtype=torch.uint8), False
 
 
 _NUMPY = frozenset((torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128, torch.int8,
