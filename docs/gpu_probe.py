@@ -15,17 +15,18 @@ repeats after a first, dropped one. `--device cpu` runs the same on the host (a 
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import shutil
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from datastates.bench.peers import _drop_cache
 from datastates.bench.shapes import build
 from datastates.store import Store
 
@@ -35,15 +36,6 @@ SHAPES = {"transformer": 1.0, "cnn": 1.0, "small": 0.25, "uniform": 1.0}
 def _sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def _cold(paths: list[str]) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _timed(dev: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -91,7 +83,6 @@ def load(shape: str, scale: float, dev: torch.device, repeats: int, where: str) 
                 torch.save(state, f)
                 f.flush()
                 os.fsync(f.fileno())
-            files = [p for p in glob.glob(os.path.join(d, "**", "*"), recursive=True) if os.path.isfile(p)]
             ways: dict[str, Callable[[], Any]] = {
                 "ds": lambda: s.load(v, device=dev),
                 "torch": lambda: torch.load(pt, map_location=dev, weights_only=True),
@@ -100,7 +91,7 @@ def load(shape: str, scale: float, dev: torch.device, repeats: int, where: str) 
             got: Any = None
             for _ in range(repeats + 1):
                 for name, fn in ways.items():
-                    _cold(files)
+                    _drop_cache([Path(d)])  # the store's files and torch's
                     times[name].append(_timed(dev, fn)[0])
                 t, got = _timed(dev, ways["ds"])
                 times["ds_warm"].append(t)

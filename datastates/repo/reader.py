@@ -167,8 +167,7 @@ def _read_rows_onto(repo: Repository, m: Manifest, rows: list[int], executor: Ex
         t = torch.empty(shapes[i], dtype=dtype_from_name(dtypes[i]), device=dev)
         n = t.numel() * t.element_size()
         if n != nbytes[i]:
-            raise IntegrityError(f"tensor {keys[i]!r} in manifest {m.id[:12]}: {nbytes[i]} bytes stored for "
-                                 f"dtype {dtypes[i]} shape {shapes[i]}; run `datastates fsck`")
+            raise _size_mismatch(m, keys[i], dtypes[i], shapes[i], nbytes[i])
         out[i] = t
         if not n:
             continue
@@ -243,6 +242,12 @@ _NUMPY = frozenset((torch.float16, torch.float32, torch.float64, torch.complex64
 torch's reshape and view (thousands of small tensors per load)."""
 
 
+def _size_mismatch(m: Manifest, key: str, dtype_name: str, shape: list[int], nbytes: int) -> IntegrityError:
+    """The error for a row whose byte count does not fit its dtype and shape."""
+    return IntegrityError(f"tensor {key!r} in manifest {m.id[:12]}: {nbytes} bytes stored for "
+                          f"dtype {dtype_name} shape {shape}; run `datastates fsck`")
+
+
 def _empty_row(m: Manifest, key: str, dtype_name: str, shape: list[int], nbytes: int
                ) -> tuple[torch.Tensor, np.ndarray[Any, Any]]:
     """An uninitialised tensor for the row `key` of `m` and a flat uint8 array viewing its bytes.
@@ -256,8 +261,7 @@ def _empty_row(m: Manifest, key: str, dtype_name: str, shape: list[int], nbytes:
     else:
         flat = out.reshape(-1).view(torch.uint8).numpy()
     if flat.size != nbytes:
-        raise IntegrityError(f"tensor {key!r} in manifest {m.id[:12]}: {nbytes} bytes stored for "
-                             f"dtype {dtype_name} shape {shape}; run `datastates fsck`")
+        raise _size_mismatch(m, key, dtype_name, shape, nbytes)
     return out, flat
 
 
