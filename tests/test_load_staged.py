@@ -98,3 +98,17 @@ def test_a_refused_pinned_buffer_becomes_a_pageable_one(monkeypatch: pytest.Monk
     assert "no pinned host memory for a load onto the GPU (CUDA error: out of memory)" in caplog.text
     buf, pinned = reader.host_buffer(100, False)
     assert (buf.numel(), pinned) == (100, False)
+
+
+def test_a_row_whose_bytes_do_not_fit_its_shape_is_refused_by_both_reads(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s", chunk_size=32 * KiB) as s:
+        v = s.save(_state())
+        m, rows, cols = _rows(s, v)
+        bad = {**cols, "nbytes": list(cols["nbytes"])}
+        i = cols["key"].index("odd")
+        bad["nbytes"][i] += 4
+        for read in (lambda: reader._read_rows(s.repo, m, rows, None, bad),
+                     lambda: reader._read_rows_onto(s.repo, m, rows, None, bad, torch.device("cpu"))):
+            with pytest.raises(IntegrityError, match=r"tensor 'odd' in manifest .*: 36880 bytes stored for dtype "
+                                                     r"float32 shape \[9219\]; run `datastates fsck`"):
+                read()
