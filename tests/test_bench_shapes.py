@@ -60,7 +60,7 @@ def test_full_scale_sizes_are_what_the_docs_say() -> None:
 
 
 @pytest.mark.parametrize("shape,extra", [("cnn", ["--scale", "0.01"]), ("transformer", ["--scale", "0.002"]),
-                                         ("small", ["--scale", "0.01", "--tensors", "300"])])
+                                         ("small", ["--scale", "0.01", "--tensors", "300", "--spread"])])
 def test_bench_shape_quick_runs(tmp_path: Path, shape: str, extra: list[str]) -> None:
     out, work = tmp_path / "bench.json", tmp_path / "work"
     rc = main(["bench", "--quick", "--shape", shape, *extra, "--skip", "dcp,train", "--store", str(work),
@@ -81,6 +81,21 @@ def test_bench_shape_quick_runs(tmp_path: Path, shape: str, extra: list[str]) ->
         assert p["tensors_changed"] == max(1, round(n * 0.1))
         assert p["bytes_new"] < p["bytes_total"]
     assert "--shape " + shape in rep["command"]
+    spread = "--spread" in extra
+    assert rep["config"]["spread"] is spread and ("--spread" in rep["command"]) is spread
+
+
+def test_changed_keys_are_a_block_or_spread_evenly_and_move_each_repeat() -> None:
+    from datastates.bench.runner import changed_keys
+
+    keys = [f"k{i:02d}" for i in range(20)]
+    assert changed_keys(keys, 4, 0, False) == ["k00", "k01", "k02", "k03"]
+    assert changed_keys(keys, 4, 1, False) == ["k04", "k05", "k06", "k07"]
+    assert changed_keys(keys, 4, 5, False) == ["k00", "k01", "k02", "k03"]  # wraps around
+    assert changed_keys(keys, 4, 0, True) == ["k00", "k05", "k10", "k15"]
+    assert changed_keys(keys, 4, 2, True) == ["k02", "k07", "k12", "k17"]
+    assert changed_keys(keys, 3, 0, True) == ["k00", "k06", "k13"]  # 20 / 3: still distinct, still spread
+    assert changed_keys(keys, 0, 0, True) == [] and changed_keys(keys, 0, 0, False) == []
 
 
 def test_bench_shape_option_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -80,6 +80,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 5)")
     p.add_argument("--unchanged", type=float, default=0.9,
                    help="fraction of tensors left unchanged for the partial save (default 0.9)")
+    p.add_argument("--spread", action="store_true",
+                   help="change the partial save's tensors spread evenly over the state (adapters between frozen "
+                        "layers) instead of one block of neighbours (a run of layers)")
     # dest differs from the global --store (which defaults to $DATASTATES_STORE): the bench must never
     # write into, or delete from, a user's real store.
     p.add_argument("--dir", dest="bench_dir", default=None, metavar="DIR",
@@ -115,6 +118,8 @@ class Config:
     tensors: int = 32
     repeats: int = 5
     unchanged: float = 0.9
+    spread: bool = False
+    """The partial save changes tensors spread evenly over the state, not one block of neighbours."""
     bench_dir: str | None = None
     quick: bool = False
     skip: frozenset[str] = frozenset()
@@ -217,6 +222,8 @@ def command_line(cfg: Config) -> str:
     parts.append(f"--repeats {cfg.repeats}")
     if not cfg.rss:  # --rss has no partial save
         parts.append(f"--unchanged {cfg.unchanged:g}")
+        if cfg.spread:
+            parts.append("--spread")
     if cfg.reuse_unchanged:
         parts.append("--reuse-unchanged")
     if cfg.chunk_size:
@@ -263,7 +270,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(size=args.size or ((64 << 20) if quick else (1 << 30)),
                   tensors=args.tensors if args.tensors is not None else (0 if shape else 32), repeats=repeats,
                   shape=shape, scale=scale if scale is not None else 1.0, rss=rss,
-                  unchanged=args.unchanged, bench_dir=args.bench_dir, quick=quick, skip=skip,
+                  unchanged=args.unchanged, spread=bool(getattr(args, "spread", False)),
+                  bench_dir=args.bench_dir, quick=quick, skip=skip,
                   chunk_size=args.chunk_size, zstd=args.zstd, reuse_unchanged=args.reuse_unchanged,
                   window=args.window if args.window is not None else (1.0 if quick else None))
 

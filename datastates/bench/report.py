@@ -70,7 +70,7 @@ def _report(cfg: Config, res: Results, fs: str, parent: Path, t_start: float) ->
                     "dir": str(parent)},
         "config": {"size": cfg.size, "bytes": res.extra.get("bytes"), "tensors": res.extra.get("tensors"),
                    "shape": cfg.shape, "scale": cfg.scale, "dtypes": res.extra.get("dtypes"),
-                   "repeats": cfg.repeats, "unchanged": cfg.unchanged, "quick": cfg.quick,
+                   "repeats": cfg.repeats, "unchanged": cfg.unchanged, "spread": cfg.spread, "quick": cfg.quick,
                    "skip": sorted(cfg.skip), "chunk_size": cfg.chunk_size, "zstd": cfg.zstd,
                    "reuse_unchanged": cfg.reuse_unchanged},
         "methods": methods,

@@ -44,6 +44,17 @@ from .shapes import build
 # --- the run -------------------------------------------------------------------------------------------------
 
 
+def changed_keys(keys: list[str], n: int, r: int, spread: bool) -> list[str]:
+    """The `n` keys the partial save of repeat `r` changes: a different set each repeat, as different layers would
+    in training. One block of neighbours (a run of layers: their old bytes leave one hole in the pack the next
+    version reads), or with `spread` every (len(keys) / n)-th key (adapters between frozen layers: a hole after
+    every few tensors)."""
+    if not spread:
+        return [keys[(r * n + i) % len(keys)] for i in range(n)]
+    step = len(keys) / n if n else 1
+    return [keys[(int(i * step) + r) % len(keys)] for i in range(n)]
+
+
 def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -216,8 +227,7 @@ class _Bench:
         self._full_save(v, store)
         if self.reuse is not None:
             self.reuse.save(state, branch="main", message="before partial")  # untimed: what it last saw
-        # A different set of tensors changes each repeat, as different layers would in training.
-        changed = [self.keys[(r * self.n_changed + i) % len(self.keys)] for i in range(self.n_changed)]
+        changed = changed_keys(self.keys, self.n_changed, r, self.cfg.spread)
         _mutate(state, changed)
         v = self.timed("ds_partial_save", size, self._pool(store), store.save, state, branch="main",
                        message="partial")

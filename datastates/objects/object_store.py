@@ -31,10 +31,17 @@ from .tier import Tier
 log = logging.getLogger("datastates")
 
 _RUN_BUFFERS = 1024
-"""At most this many chunks per `preadv` (Linux IOV_MAX)."""
+"""At most this many buffers (chunks and skipped gaps) per `preadv` (Linux IOV_MAX)."""
 _RUN_BYTES = 8 << 20
-"""At most this many bytes per merged read, so big states still spread over the executor's threads (64 MiB
-runs made a warm `cnn` load ~2x slower in CPU than per-tensor reads: too few tasks for two workers)."""
+"""At most this many bytes of the pack (gaps included) per merged read, so big states still spread over the
+executor's threads (64 MiB runs made a warm `cnn` load ~2x slower in CPU than per-tensor reads: too few tasks for
+two workers)."""
+_GAP_BYTES = 256 << 10
+"""Chunks of one pack at most this far apart are read in one `preadv`, the bytes between them into a scratch
+buffer and dropped. A version saved after others has its chunks in older packs with holes where tensors changed
+since; reading around each hole broke the kernel's readahead: a cold load of 8,000 x 16 KiB, 1,150 reads with
+holes of 32 KiB, took 225 ms against 102 ms read through the holes (docs/perf-notes.md "Reading through holes").
+At this bound even a lone 16 KiB chunk per gap reads about as fast as a separate read would."""
 
 try:
     from zstandard import ZstdError as _ZstdError
@@ -252,7 +259,8 @@ class ObjectStore:
 
         One catalog lookup for every chunk. Uncompressed chunks stored back to back in one hot pack
         are read with one `preadv` per run (at most `_RUN_BUFFERS` chunks and `_RUN_BYTES` bytes),
-        straight into the destination arrays, in pack offset order, then each chunk is verified
+        straight into the destination arrays, in pack offset order (chunks up to `_GAP_BYTES` apart make one
+        run: the bytes between them are read into a scratch buffer and dropped), then each chunk is verified
         (blake3) unless verification is off. A run that fails in any way is read again chunk by
         chunk across tiers (fallback, repair, promotion), so the guarantees are those of
         `read_chunks_into`. A chunk named twice is read once and copied. With an `executor` and more
@@ -286,17 +294,20 @@ class ObjectStore:
                 reads.append((cid, loc, view, key))
         raw = sorted((r for r in reads if r[1].codec == CODEC_RAW), key=lambda r: (r[1].pack, r[1].offset))
         runs: list[list[tuple[bytes, ChunkLocation, memoryview, str]]] = []
-        run_bytes = 0
+        run_start = run_buffers = 0
         for r in raw:
             prev = runs[-1][-1][1] if runs else None
             loc = r[1]
-            if (prev is not None and prev.pack == loc.pack and prev.offset + prev.length == loc.offset
-                    and len(runs[-1]) < _RUN_BUFFERS and run_bytes + loc.length <= _RUN_BYTES):
-                runs[-1].append(r)
-                run_bytes += loc.length
-            else:
-                runs.append([r])
-                run_bytes = loc.length
+            end = loc.offset + loc.length
+            if prev is not None and prev.pack == loc.pack:
+                gap = loc.offset - (prev.offset + prev.length)
+                buffers = run_buffers + (2 if gap else 1)
+                if 0 <= gap <= _GAP_BYTES and buffers <= _RUN_BUFFERS and end - run_start <= _RUN_BYTES:
+                    runs[-1].append(r)
+                    run_buffers = buffers
+                    continue
+            runs.append([r])
+            run_start, run_buffers = loc.offset, 1
         runs += [[r] for r in reads if r[1].codec != CODEC_RAW]
 
         def slow(run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> None:
@@ -327,11 +338,22 @@ class ObjectStore:
             dst[:] = src
 
     def _read_views(self, run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> bool:
-        """One `preadv` of raw chunks stored back to back in one hot pack into their views; False (nothing
+        """One `preadv` of raw chunks of one hot pack, in offset order, into their views, the bytes of the gaps
+        between them (at most `_GAP_BYTES` each) into one scratch buffer shared by every gap; False (nothing
         trusted) if it fails."""
         first = run[0][1]
+        outs: list[memoryview] = []
+        pos = first.offset
+        scratch: memoryview | None = None
+        for _, loc, view, _ in run:
+            if loc.offset > pos:
+                if scratch is None:  # per call: concurrent loads of one store each have their own
+                    scratch = memoryview(bytearray(_GAP_BYTES))
+                outs.append(scratch[:loc.offset - pos])
+            outs.append(view)
+            pos = loc.offset + loc.length
         try:
-            self.hot.reader.readv_into(first.pack, first.offset, [view for _, _, view, _ in run])
+            self.hot.reader.readv_into(first.pack, first.offset, outs)
         except (NotFoundError, IntegrityError, OSError):
             return False
         return True
