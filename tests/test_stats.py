@@ -114,8 +114,9 @@ def test_statistics_are_computed_for_changed_tensors_only(tmp_path: Path, alone:
     st = {f"w{i}": torch.randn(500, generator=g) for i in range(30)}
     with ds.Store.open(tmp_path / "s") as store:
         store.save(st)
-        assert len(calls) == 30
-        calls.clear()
+        # 30 equal fp32 tensors summarized together (their 2,000-byte pieces are not back to back in the slot:
+        # gathered), none alone
+        assert calls == []
         st["w5"].add_(1)
         st["w9"] = st["w9"].view(torch.int32)
         store.save(st)
@@ -309,3 +310,50 @@ def test_the_same_state_saved_after_another_gives_the_same_manifest(tmp_path: Pa
         a.save(first)
         va, vb = a.save(second), b.save(second)
     assert va.manifests == vb.manifests
+
+
+def test_changed_tensors_spread_over_the_state_are_summarized_together(
+        tmp_path: Path, alone: list[torch.dtype]) -> None:
+    # Every third tensor changed: the unchanged ones between them keep their known stats, and the changed ones,
+    # no longer back to back, are gathered and summarized as one run, not one at a time.
+    g = torch.Generator().manual_seed(12)
+    st: dict[str, torch.Tensor] = {f"f{i:03d}": torch.randn(1024, generator=g) * (i % 7 + 1) + i for i in range(90)}
+    st.update({f"h{i:02d}": (torch.randn(2048, generator=g) * 3).to(torch.bfloat16) for i in range(30)})
+    with ds.Store.open(tmp_path / "s") as store:
+        store.save(st)
+        alone.clear()
+        changed = [k for i, k in enumerate(st) if i % 3 == 0]
+        for k in changed:
+            st[k].mul_(2).add_(1)
+        st["f042"] = 1.0 + 1e-6 * torch.randn(1024, generator=g)  # a spread the one-pass formula cannot keep
+        st["f045"][5] = float("nan")  # non-finite: summarized alone
+        v = store.save(st)
+        rows = {r["key"]: r for r in store.manifest(v.manifests["0"]).rows}
+    assert alone == [torch.float32]  # f045 only
+    for k in [*changed, "f042"]:
+        t = st[k]
+        want = _stats_of(t)
+        finite = t.double()[torch.isfinite(t.double())]
+        for f in ("nan_count", "inf_count", "min", "max"):
+            assert rows[k][f] == want[f], (k, f)
+        assert rows[k]["mean"] == pytest.approx(float(finite.mean()), rel=1e-5, abs=1e-6), k
+        assert rows[k]["std"] == pytest.approx(float(finite.std()), rel=1e-4), k
+
+
+def test_gathered_pieces_give_what_the_same_pieces_back_to_back_give() -> None:
+    from datastates.save import stats
+
+    g = torch.Generator().manual_seed(13)
+    x = torch.randn(stats._BLOCK * 4 // 4096 * 2 + 3, 1024, generator=g) * 5 + 2  # fp32 rows of 4 KiB: 3 blocks
+    x[7] = 1.0 + 1e-6 * torch.randn(1024, generator=g)
+    raw = x.reshape(-1).view(torch.uint8)
+    pieces = [row.view(torch.uint8) for row in x.clone()]  # separate tensors: not back to back
+    assert stats.partial_gathered(pieces, torch.float32, whole=True) == stats.partial_many(
+        raw, torch.float32, x.shape[0], whole=True)
+    # Pieces over half a block are each summarized alone, with no block of their size
+    big = [torch.randn(stats._BLOCK, generator=g).view(torch.uint8) for _ in range(2)]
+    got = stats.partial_gathered(big, torch.float32)
+    assert all(isinstance(p, Partial) for p in got)
+    assert [p.final() for p in got if isinstance(p, Partial)] == [
+        partial(b, torch.float32).final() for b in big]
+    assert stats.partial_gathered([], torch.float32) == []

@@ -29,7 +29,7 @@ from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
 from .buffers import BufferPool, Piece, Slot
 from .job import KnownStats, SaveJob
-from .stats import BATCHED_DTYPES, Partial, partial, partial_many
+from .stats import BATCHED_DTYPES, Partial, partial, partial_gathered, partial_many
 from .tree import TensorEntry
 
 if TYPE_CHECKING:
@@ -111,43 +111,39 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
 
 def _slot_stats(slot: Slot, entries: list[TensorEntry], found: list[dict[str, Any] | None]) -> list[Stats]:
     """The statistics of each piece of `slot`: known from an earlier save of the same bytes (`found`, per
-    piece), or computed; runs of equal, adjacent pieces of one float dtype (thousands of small tensors) are
-    summarized together."""
+    piece), or computed; pieces of one float dtype and one length (thousands of small tensors) are summarized
+    together: in place when they lie back to back, gathered when others lie between them (known ones, or pieces of
+    another length or dtype)."""
     out: list[Stats] = [None] * len(slot.pieces)
-    run: list[int] = []  # indices of adjacent pieces of one batchable dtype and one length
-
-    def flush() -> None:
-        if len(run) > 1:
-            first = slot.pieces[run[0]]
-            end = first.start + first.length * len(run)
-            # Pieces that are whole tensors (thousands of small ones) get their final statistics here: no
-            # Partial per piece to keep, merge and finalize on the pipeline thread.
-            whole = all(slot.pieces[i].length == entries[slot.pieces[i].row].nbytes for i in run)
-            many = partial_many(slot.buf[first.start:end], entries[first.row].dtype, len(run), whole)
-            for i, st in zip(run, many):
-                out[i] = st
-        for i in run:
-            if out[i] is None:
-                p = slot.pieces[i]
-                out[i] = partial(slot.buf[p.start:p.start + p.length], entries[p.row].dtype)
-        run.clear()
-
+    groups: dict[tuple[torch.dtype, int], list[int]] = {}  # pieces to summarize, by dtype and length
     for i, (p, k) in enumerate(zip(slot.pieces, found)):
         e = entries[p.row]
         if e.kind != "tensor":
             continue
         if k is not None:
             out[i] = k
-            continue
-        if run:
-            last = slot.pieces[run[-1]]
-            if not (e.dtype is entries[last.row].dtype and p.length == last.length
-                    and p.start == last.start + last.length):
-                flush()
-        run.append(i)
-        if e.dtype not in BATCHED_DTYPES or not p.length:
-            flush()
-    flush()
+        elif e.dtype in BATCHED_DTYPES and p.length:
+            groups.setdefault((e.dtype, p.length), []).append(i)
+        else:
+            out[i] = partial(slot.buf[p.start:p.start + p.length], e.dtype)
+    for (dtype, length), group in groups.items():
+        if len(group) > 1:
+            pieces = [slot.pieces[i] for i in group]
+            # Pieces that are whole tensors (thousands of small ones) get their final statistics here: no
+            # Partial per piece to keep, merge and finalize on the pipeline thread.
+            whole = all(length == entries[p.row].nbytes for p in pieces)
+            first = pieces[0]
+            if all(b.start == a.start + length for a, b in zip(pieces, pieces[1:])):
+                many = partial_many(slot.buf[first.start:first.start + length * len(pieces)], dtype, len(pieces),
+                                    whole)
+            else:
+                many = partial_gathered([slot.buf[p.start:p.start + length] for p in pieces], dtype, whole)
+            for i, st in zip(group, many):
+                out[i] = st
+        for i in group:  # alone, or holding a non-finite value (`partial_many` leaves those to `partial`)
+            if out[i] is None:
+                p = slot.pieces[i]
+                out[i] = partial(slot.buf[p.start:p.start + p.length], dtype)
     return out
 
 

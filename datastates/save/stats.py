@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -154,12 +155,18 @@ def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int,
     value: `partial` of that piece alone is its summary."""
     x = raw.view(dtype).view(count, -1)
     n = x.shape[1]
+    rows = max(1, _BLOCK // n)  # squares (and fp32 copies) go through reused blocks: no new pages
+    return _summarize(n, (x[r:r + rows] for r in range(0, count, rows)), whole)
+
+
+def _summarize(n: int, blocks: Iterable[torch.Tensor],
+               whole: bool) -> list[Partial | dict[str, float | int | None] | None]:
+    """`partial_many`'s summaries of the rows of `blocks` (each rows x `n` elements of a `BATCHED_DTYPES` dtype, at
+    most `_BLOCK` elements), in order; what one block teaches the next (`shift`) is carried through."""
     out: list[Partial | dict[str, float | int | None] | None] = []
     isfinite = math.isfinite
-    rows = max(1, _BLOCK // n)  # squares (and fp32 copies) go through reused blocks: no new pages
     shift = False
-    for r in range(0, count, rows):
-        part = x[r:r + rows]
+    for part in blocks:
         if part.dtype != torch.float32:
             part = _block(0, part.numel()).view(part.shape).copy_(part)
         # A block after one whose rows sat far from 0 next to their spread (LayerNorm weights, exp_avg_sq, a
@@ -196,6 +203,40 @@ def partial_many(raw: torch.Tensor, dtype: torch.dtype, count: int,
             else:
                 out.append(Partial(n=n, mean=mean, m2=m2, lo=lo, hi=hi))
     return out
+
+
+def partial_gathered(pieces: list[torch.Tensor], dtype: torch.dtype,
+                     whole: bool = False) -> list[Partial | dict[str, float | int | None] | None]:
+    """`partial_many` of equal pieces that do not lie back to back (uint8 views of whole elements of `dtype`, one
+    of `BATCHED_DTYPES`, all of one length), with the same results: copied a block at a time (`partial_many`'s
+    blocks) into one reused per-thread byte block, then summarized as a run. A save whose changed tensors are
+    spread over the state (every tenth of 8,000 small tensors changed) summarized each alone: 800 `partial` calls,
+    80 ms of the workers' time per save against 11 ms for the same tensors changed as one block. Pieces over half a
+    block are summarized alone (`partial`), with no block of their size."""
+    if not pieces:
+        return []
+    length = pieces[0].numel()
+    n = length // pieces[0][:0].view(dtype).element_size()
+    rows = _BLOCK // n if n else 0
+    if rows < 2:
+        return [partial(p, dtype) for p in pieces]
+
+    def blocks() -> Iterator[torch.Tensor]:
+        for r in range(0, len(pieces), rows):  # made one at a time: each reuses the block the last one filled
+            part = pieces[r:r + rows]
+            dst = _bytes_block(length * len(part))
+            torch.cat(part, out=dst)
+            yield dst.view(dtype).view(len(part), n)
+
+    return _summarize(n, blocks(), whole)
+
+
+def _bytes_block(nbytes: int) -> torch.Tensor:
+    """The first `nbytes` of a reused per-thread uint8 block (grown, never shrunk), for `partial_gathered`."""
+    block = getattr(_scratch, "gather", None)
+    if block is None or block.numel() < nbytes:
+        block = _scratch.gather = torch.empty(max(nbytes, _BLOCK * 4), dtype=torch.uint8)  # fp32's block size
+    return block[:nbytes]
 
 
 def _centre_rows(part: torch.Tensor, narrow: list[int], means: list[float], m2s: list[float]) -> None:
