@@ -216,7 +216,7 @@ def partial_gathered(pieces: list[torch.Tensor], dtype: torch.dtype,
     if not pieces:
         return []
     length = pieces[0].numel()
-    n = length // pieces[0][:0].view(dtype).element_size()
+    n = length // dtype.itemsize
     rows = _BLOCK // n if n else 0
     if rows < 2:
         return [partial(p, dtype) for p in pieces]
@@ -224,19 +224,12 @@ def partial_gathered(pieces: list[torch.Tensor], dtype: torch.dtype,
     def blocks() -> Iterator[torch.Tensor]:
         for r in range(0, len(pieces), rows):  # made one at a time: each reuses the block the last one filled
             part = pieces[r:r + rows]
-            dst = _bytes_block(length * len(part))
+            # block 2: 0 and 1 hold the fp32 copy and the squares `_summarize` makes of this one
+            dst = _block(2, _BLOCK).view(torch.uint8)[:length * len(part)]
             torch.cat(part, out=dst)
             yield dst.view(dtype).view(len(part), n)
 
     return _summarize(n, blocks(), whole)
-
-
-def _bytes_block(nbytes: int) -> torch.Tensor:
-    """The first `nbytes` of a reused per-thread uint8 block (grown, never shrunk), for `partial_gathered`."""
-    block = getattr(_scratch, "gather", None)
-    if block is None or block.numel() < nbytes:
-        block = _scratch.gather = torch.empty(max(nbytes, _BLOCK * 4), dtype=torch.uint8)  # fp32's block size
-    return block[:nbytes]
 
 
 def _centre_rows(part: torch.Tensor, narrow: list[int], means: list[float], m2s: list[float]) -> None:
@@ -265,10 +258,10 @@ _scratch = threading.local()
 
 
 def _block(which: int, numel: int) -> torch.Tensor:
-    """The first `numel` elements of reused per-thread fp32 scratch block `which` (grown, never shrunk)."""
+    """The first `numel` elements of reused per-thread fp32 scratch block `which` (0-2; grown, never shrunk)."""
     blocks = getattr(_scratch, "fp32", None)
     if blocks is None:
-        blocks = _scratch.fp32 = [torch.empty(0), torch.empty(0)]
+        blocks = _scratch.fp32 = [torch.empty(0), torch.empty(0), torch.empty(0)]
     if blocks[which].numel() < numel:
         blocks[which] = torch.empty(max(numel, _BLOCK))
     return blocks[which][:numel]
