@@ -529,7 +529,7 @@ class Store(Queries):
         return share_packs(self.comm, self.placement, self.hot, packs)
 
     def load(self, ref: Any = "main", *, keys: Iterable[str] | None = None, device: str | torch.device = "cpu",
-             allow_pickle: bool = False, rank: int | str | None = None, comm: Any = None) -> Any:
+             allow_pickle: bool = False, rank: int | str | None = None, comm: Any = None, mmap: bool = False) -> Any:
         """The saved state, rebuilt with the same container types; tensors bit-exact.
 
         `keys` selects key paths (exact, a prefix ending at a '.', or a glob). A version saved by
@@ -538,6 +538,12 @@ class Store(Queries):
         rank r's entries whatever the world size. `device`: where the tensors are made; onto a GPU the
         chunks are read and verified through two reused 64 MiB pinned host buffers and copied on
         asynchronously on the current stream (work queued after the call sees them complete).
+        `mmap=True` (as in `torch.load`): host tensors are made on private, copy-on-write mappings of the pack
+        files, each with a storage of its own bytes, verified as a read is; nothing is copied, and writes to them
+        stay in this process. Tensors whose chunks are compressed, on the cold tier only or not stored back to
+        back are read as usual; onto an accelerator it changes nothing. What a read gives and a mapping does not:
+        the kernel may drop a clean page and read it again from the pack later, unverified, and an I/O error
+        then stops the process with SIGBUS (docs/perf-notes.md "Mapped loads").
         Raises NotFoundError (ref, key), PrunedError, IntegrityError, InvalidArgumentError (sharded
         entries at another world size without rank=), UnsupportedValueError (pickle without
         allow_pickle), DeviceError (before reading anything).
@@ -548,7 +554,7 @@ class Store(Queries):
             v = self.version(ref)  # resolved once: the ref is read once, and rank_for and the load see one version
             rank, keys = reader.rank_for(v, self.comm if comm is None else as_comm(comm), keys)
         return reader.load(self.repo, ref, keys=keys, device=device, allow_pickle=allow_pickle, rank=rank,
-                           executor=self._readers, version=v)
+                           executor=self._readers, version=v, mmap=mmap)
 
     def read_chunk(self, cid: bytes, key: str = "?") -> bytes:
         """The raw bytes of one chunk, verified. Raises NotFoundError, IntegrityError."""

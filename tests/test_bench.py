@@ -18,7 +18,7 @@ from datastates import bench
 from datastates.cli import main
 
 DS_METHODS = {"plain_copy", "ds_save", "ds_async_blocking", "ds_async_durable", "ds_partial_save", "ds_load",
-              "ds_load100_full", "ds_load100_one"}
+              "ds_load_mmap", "ds_load100_full", "ds_load100_one"}
 OTHER_METHODS = {"torch_save_fsync", "torch_load", "torch_load_mmap", "safetensors_save_fsync", "safetensors_load"}
 DCP_METHODS = {"dcp_save_t1", "dcp_save_t2", "dcp_load", "dcp_async_blocking", "dcp_async_done",
                "dcp_async_cached_blocking", "dcp_async_cached_done"}

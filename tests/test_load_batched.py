@@ -254,8 +254,11 @@ def test_a_big_load_reads_in_one_thread_in_offset_order_and_verifies_on_the_work
     assert all(name.startswith("datastates-read") for name in hashed)
 
 
+@pytest.mark.parametrize("mmap", [False, True])
 @pytest.mark.parametrize("tiers", ["hot-only", "with-cold"])
-def test_a_flipped_byte_in_a_big_load_is_named_or_repaired(tmp_path: Path, tiers: str) -> None:
+def test_a_flipped_byte_in_a_big_load_is_named_or_repaired(tmp_path: Path, tiers: str, mmap: bool) -> None:
+    """The same with `load(mmap=True)`: a chunk whose mapped bytes do not match is read as usual, so it is named,
+    or read from cold and repaired."""
     st = _big_state()
     cold = tiers == "with-cold"
     kw: dict[str, Any] = {"hot": tmp_path / "hot"} if cold else {}
@@ -271,13 +274,13 @@ def test_a_flipped_byte_in_a_big_load_is_named_or_repaired(tmp_path: Path, tiers
         data[loc.offset + 9] ^= 0x01
         path.write_bytes(bytes(data))
         if cold:
-            _equal(store.load(v), st)
+            _equal(store.load(v, mmap=mmap), st)
             assert path.read_bytes()[loc.offset + 9] == data[loc.offset + 9] ^ 0x01  # good copy back on hot
         else:
             with pytest.raises(ds.IntegrityError, match="layer.11") as err:
-                store.load(v)
+                store.load(v, mmap=mmap)
             assert row["chunks"][1].hex()[:16] in str(err.value)
-            got = store.load(v, keys=["layer.10", "layer.12"])
+            got = store.load(v, keys=["layer.10", "layer.12"], mmap=mmap)
             assert torch.equal(got["layer.10"], st["layer.10"]) and torch.equal(got["layer.12"], st["layer.12"])
 
 

@@ -25,6 +25,7 @@ METHOD_LABELS: dict[str, str] = {
     "ds_partial_save": "datastates save, {changed} of tensors changed",
     "ds_partial_reuse_save": "the same, with reuse_unchanged=True",
     "ds_load": "datastates load (full)",
+    "ds_load_mmap": "datastates load(mmap=True) (full)",
     "ds_load_one": "datastates load, 1 tensor of the state",
     "ds_load100_full": "datastates load, 100-tensor state (full)",
     "ds_load100_one": "datastates load, 1 tensor of 100",
@@ -203,6 +204,11 @@ INFO_RATIOS = (
     ("torch_load_mmap_vs_ds", "torch.load(mmap) / datastates load", "torch_load_mmap", "ds_load"),
     ("safetensors_load_vs_ds", "safetensors load / datastates load", "safetensors_load", "ds_load"),
     ("dcp_load_vs_ds", "DCP load / datastates load", "dcp_load", "ds_load"),
+    ("torch_load_vs_ds_mmap", "torch.load / datastates load(mmap=True)", "torch_load", "ds_load_mmap"),
+    ("torch_load_mmap_vs_ds_mmap", "torch.load(mmap) / datastates load(mmap=True)", "torch_load_mmap",
+     "ds_load_mmap"),
+    ("safetensors_load_vs_ds_mmap", "safetensors load / datastates load(mmap=True)", "safetensors_load",
+     "ds_load_mmap"),
 )
 
 

@@ -243,6 +243,11 @@ class _Bench:
         if r == 0:
             _check_equal(out, state, "datastates load")
         del out
+        # The opt-in that maps the packs, beside torch.load(mmap=True) and safetensors (which maps its file).
+        out = self.timed_load("ds_load_mmap", size, self.root / "ds", store.load, v, mmap=True)
+        if r == 0:
+            _check_equal(out, state, "datastates load(mmap=True)")
+        del out
         if self.cfg.shape:
             # One tensor of the whole state, a different one each repeat (what an analyst reads).
             one = self.keys[(r * 37 + len(self.keys) // 2) % len(self.keys)]

@@ -15,6 +15,7 @@ It knows nothing of versions, refs or torch: where a chunk is comes from a
 from __future__ import annotations
 
 import logging
+import mmap
 import threading
 import time
 from concurrent.futures import Executor, Future
@@ -337,6 +338,68 @@ class ObjectStore:
         for src, dst in copies:
             dst[:] = src
 
+    def map_many(self, items: list[tuple[list[bytes], int, int]], executor: Executor | None = None
+                 ) -> list[memoryview | None]:
+        """For each `(cids, nbytes, align)`: its chunks' bytes, in order, as a writable view of a private
+        (copy-on-write) mapping of their pack on the hot tier, verified (blake3 of every chunk, unless
+        verification is off): what a load with `mmap=True` builds tensors on. Nothing is copied; writes through a
+        view stay in this process and never reach the pack.
+
+        None for an item this cannot serve, which the caller reads with `read_many_into` (and its fallback across
+        tiers, repair and errors): no chunks, a chunk unknown to the catalog, compressed or on another pack, chunks
+        not back to back in order, a total other than `nbytes`, a first offset not a multiple of `align` (the
+        dtype's element size), a pack missing from hot or not mappable, or a chunk whose mapped bytes do not match
+        its id. Raises nothing for damaged data.
+
+        The views stay valid after the pack is deleted (packs are never changed in place). What they do not have
+        is a read's isolation: a page the kernel drops is read again from the pack file when next touched,
+        unverified, and an I/O error then is a SIGBUS (docs/perf-notes.md "Mapped loads")."""
+        locs = self.index.chunks([c for cids, _, _ in items for c in cids])
+        spans: list[tuple[str, int] | None] = []  # per item: its pack and first offset
+        i = 0
+        for cids, nbytes, align in items:
+            spans.append(_one_span(locs[i:i + len(cids)], nbytes, align))
+            i += len(cids)
+        maps: dict[str, memoryview | None] = {}
+        for pack in {s[0] for s in spans if s is not None}:
+            mapping = self.hot.reader.map(pack)
+            maps[pack] = None if mapping is None else memoryview(mapping)
+            if mapping is not None:
+                _will_need(mapping, sorted((s[1], s[1] + n) for s, (_, n, _) in zip(spans, items)
+                                           if s is not None and s[0] == pack))
+        out: list[memoryview | None] = []
+        checks: list[tuple[int, list[bytes], list[int], memoryview]] = []  # item, chunk ids, their lengths, view
+        i = 0
+        for k, (span, (cids, nbytes, _)) in enumerate(zip(spans, items)):
+            lengths = [loc.length for loc in locs[i:i + len(cids)] if loc is not None]
+            i += len(cids)
+            whole = maps.get(span[0]) if span is not None else None
+            if span is None or whole is None or span[1] + nbytes > len(whole):
+                out.append(None)  # a pack shorter than its index says: the read reports it
+                continue
+            view = whole[span[1]:span[1] + nbytes]
+            out.append(view)
+            checks.append((k, cids, lengths, view))
+        if self.verify and checks:
+            batches: list[list[tuple[int, list[bytes], list[int], memoryview]]] = [[]]
+            size = 0
+            for c in checks:  # ~8 MiB per task, so the executor's threads share a big state
+                if size >= _RUN_BYTES:
+                    batches.append([])
+                    size = 0
+                batches[-1].append(c)
+                size += len(c[3])
+            if executor is None or len(batches) == 1:
+                bad = [k for b in batches for k in _bad_items(b)]
+            else:
+                bad = [k for f in [executor.submit(_bad_items, b) for b in batches] for k in f.result()]
+            for k in bad:
+                out[k] = None
+        for pack, whole in maps.items():
+            if whole is not None:
+                self.touch(pack)
+        return out
+
     def _read_views(self, run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> bool:
         """One `preadv` of raw chunks of one hot pack, in offset order, into their views, the bytes of the gaps
         between them (at most `_GAP_BYTES` each) into one scratch buffer shared by every gap; False (nothing
@@ -474,6 +537,56 @@ class ObjectStore:
     def close(self) -> None:
         for t in self.tiers:
             t.close()
+
+
+def _will_need(mapping: mmap.mmap, spans: list[tuple[int, int]]) -> None:
+    """Ask the kernel to read ahead the sorted byte `spans` of `mapping`, spans at most `_GAP_BYTES` apart as one
+    (one call per stretch, not per tensor); advice only, so a refusal changes nothing."""
+    page = mmap.PAGESIZE
+    start, end = spans[0]
+    for a, b in [*spans[1:], (-1, -1)]:
+        if a != -1 and a - end <= _GAP_BYTES:
+            end = max(end, b)
+            continue
+        lo = start - start % page
+        try:
+            mapping.madvise(mmap.MADV_WILLNEED, lo, end - lo)
+        except (OSError, ValueError, AttributeError):
+            return
+        start, end = a, b
+
+
+def _one_span(locs: list[ChunkLocation | None], nbytes: int, align: int) -> tuple[str, int] | None:
+    """(pack, offset of the first) when `locs` are raw chunks stored back to back, in order, in one pack, `nbytes`
+    in all, the first at a multiple of `align`; None otherwise."""
+    first = locs[0] if locs else None
+    if first is None or first.offset % align:
+        return None
+    pos = first.offset
+    for loc in locs:
+        if loc is None or loc.codec != CODEC_RAW or loc.pack != first.pack or loc.offset != pos:
+            return None
+        pos += loc.length
+    return (first.pack, first.offset) if pos - first.offset == nbytes else None
+
+
+def _bad_items(checks: list[tuple[int, list[bytes], list[int], memoryview]]) -> list[int]:
+    """The items of `checks` (index, chunk ids, their lengths, a view of their bytes back to back) whose bytes do
+    not hash to their chunk ids."""
+    bad = []
+    for k, cids, lengths, view in checks:
+        if len(cids) == 1:
+            ok = chunk_id(view) == cids[0]
+        else:
+            pos, ok = 0, True
+            for cid, n in zip(cids, lengths):
+                if chunk_id(view[pos:pos + n]) != cid:
+                    ok = False
+                    break
+                pos += n
+        if not ok:
+            bad.append(k)
+    return bad
 
 
 def contiguous_runs(chunks: list[tuple[bytes, ChunkLocation | None]],

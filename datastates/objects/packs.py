@@ -14,6 +14,7 @@ interrupted save and are removed by `fsck --repair`.
 
 from __future__ import annotations
 
+import mmap
 import os
 import secrets
 import struct
@@ -319,6 +320,25 @@ class PackReader:
                     raise IntegrityError(f"pack {pack} is shorter than its index says (offset {offset + pos})")
                 done += n
             pos += len(o)
+
+    def map(self, pack: str) -> mmap.mmap | None:
+        """A private, copy-on-write mapping of the whole pack (writes to it stay in this process and never reach
+        the file), or None when the pack is missing, empty or cannot be mapped (a file system without mmap).
+        The mapping outlives the file's deletion (gc, eviction, a repair's replacement: packs are never changed
+        in place, only written whole and renamed or removed), so it stays readable as long as anything views it."""
+        try:
+            fd = os.open(self.directory / f"{pack}.pack", os.O_RDONLY)
+        except OSError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if not size:
+                return None
+            return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)  # the mapping keeps its own reference to the file
 
     def forget(self, pack: str) -> None:
         """Close a pack's file (before it is deleted)."""
