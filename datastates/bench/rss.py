@@ -60,6 +60,7 @@ RSS_METHODS: dict[str, str] = {
     "ds_save_async": "datastates save_async, to durable",
     "torch_save_fsync": "torch.save + fsync",
     "ds_load": "datastates load (full)",
+    "ds_load_mmap": "datastates load(mmap=True)",
     "torch_load": "torch.load",
 }
 """The methods `--rss` measures, in print order; the JSON uses these keys."""
@@ -171,14 +172,14 @@ def _child(argv: list[str] | None = None) -> int:
 
         result = {"state_bytes": size, **_measure(save)}
     else:
-        _drop_cache([root / (_DS_DIR if method == "ds_load" else _PT_FILE)])
+        _drop_cache([root / (_DS_DIR if method.startswith("ds_load") else _PT_FILE)])
 
         def load() -> dict[str, Any]:
             if method == "torch_load":
                 got = torch.load(root / _PT_FILE, weights_only=True)
             else:
                 with Store.open(root / _DS_DIR, create=False) as store:
-                    got = store.load("main")
+                    got = store.load("main", mmap=method == "ds_load_mmap")
             _touch_pages(got)
             # The result stays alive until the peak is read (the caller reads it after this returns).
             holder.append(got)
