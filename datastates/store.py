@@ -541,7 +541,8 @@ class Store(Queries):
         `mmap=True` (as in `torch.load`): host tensors are made on private, copy-on-write mappings of the pack
         files, each with a storage of its own bytes, verified as a read is; nothing is copied, and writes to them
         stay in this process. Tensors whose chunks are compressed, on the cold tier only or not stored back to
-        back are read as usual; onto an accelerator it changes nothing. What a read gives and a mapping does not:
+        back are read as usual; onto an accelerator it changes nothing. A mapped tensor keeps its pack's file (and
+        its disk space) alive after a gc or an eviction deletes it. What a read gives and a mapping does not:
         the kernel may drop a clean page and read it again from the pack later, unverified, and an I/O error
         then stops the process with SIGBUS (docs/perf-notes.md "Mapped loads").
         Raises NotFoundError (ref, key), PrunedError, IntegrityError, InvalidArgumentError (sharded

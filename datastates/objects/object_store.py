@@ -351,7 +351,8 @@ class ObjectStore:
         dtype's element size), a pack missing from hot or not mappable, or a chunk whose mapped bytes do not match
         its id. Raises nothing for damaged data.
 
-        The views stay valid after the pack is deleted (packs are never changed in place). What they do not have
+        The views stay valid after the pack is deleted (packs are never changed in place), and keep the deleted
+        file's disk space until the last of them is gone. What they do not have
         is a read's isolation: a page the kernel drops is read again from the pack file when next touched,
         unverified, and an I/O error then is a SIGBUS (docs/perf-notes.md "Mapped loads")."""
         locs = self.index.chunks([c for cids, _, _ in items for c in cids])
