@@ -214,3 +214,33 @@ def test_only_raw_chunks_back_to_back_in_one_pack_and_aligned_are_one_span() -> 
     assert _one_span([_loc(a, 64, 100)], 128, 4) is None  # fewer bytes than the row says
     assert _one_span([None], 128, 4) is None
     assert _one_span([], 0, 4) is None
+
+
+def test_mapped_tensors_behave_as_torch_load_mmap_ones(tmp_path: Path) -> None:
+    """What a caller does next with a mapped state: save it with torch.save, share it with worker processes,
+    load it into a module (copied, or assigned and still mapped); a resize is refused, as for
+    `torch.load(mmap=True)`'s tensors."""
+    import io
+
+    model = torch.nn.Linear(10, 3)
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save({"model": model.state_dict(), "x": torch.arange(1000, dtype=torch.float32)})
+        got = store.load(v, mmap=True)
+        spare = store.load(v, keys=["x"], mmap=True)["x"]
+    with pytest.raises(RuntimeError, match="not resizable"):
+        spare.resize_(2000)
+    buf = io.BytesIO()
+    torch.save(got, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    _same(back["model"], got["model"])
+    assert torch.equal(back["x"], got["x"])
+    x = got["x"]
+    assert _in_pack(x)
+    x.share_memory_()
+    assert x.is_shared() and not _in_pack(x) and torch.equal(x, torch.arange(1000, dtype=torch.float32))
+    copy = torch.nn.Linear(10, 3)
+    copy.load_state_dict(got["model"])
+    assert torch.equal(copy.weight, model.weight) and not _in_pack(copy.weight)
+    copy.load_state_dict(got["model"], assign=True)
+    assert torch.equal(copy.weight, model.weight) and _in_pack(copy.weight)
