@@ -369,36 +369,42 @@ class ObjectStore:
                 _will_need(mapping, sorted((s[1], s[1] + n) for s, (_, n, _) in zip(spans, items)
                                            if s is not None and s[0] == pack))
         out: list[memoryview | None] = []
-        checks: list[tuple[int, list[bytes], list[int], memoryview]] = []  # item, chunk ids, their lengths, view
+        checks: list[tuple[int, list[tuple[bytes, ChunkLocation, memoryview, str]]]] = []  # item, its chunks' run
         i = 0
         for k, (span, (cids, nbytes, _)) in enumerate(zip(spans, items)):
-            lengths = [loc.length for loc in locs[i:i + len(cids)] if loc is not None]
+            item_locs = locs[i:i + len(cids)]
             i += len(cids)
             whole = maps.get(span[0]) if span is not None else None
             if span is None or whole is None or span[1] + nbytes > len(whole):
                 out.append(None)  # a pack shorter than its index says: the read reports it
                 continue
-            view = whole[span[1]:span[1] + nbytes]
-            out.append(view)
-            checks.append((k, cids, lengths, view))
-        if self.verify and checks:
-            batches: list[list[tuple[int, list[bytes], list[int], memoryview]]] = [[]]
-            size = 0
-            for c in checks:  # ~8 MiB per task, so the executor's threads share a big state
-                if size >= _RUN_BYTES:
-                    batches.append([])
-                    size = 0
-                batches[-1].append(c)
-                size += len(c[3])
-            if executor is None or len(batches) == 1:
-                bad = [k for b in batches for k in _bad_items(b)]
-            else:
-                bad = [k for f in [executor.submit(_bad_items, b) for b in batches] for k in f.result()]
-            for k in bad:
-                out[k] = None
-        for pack, whole in maps.items():
-            if whole is not None:
-                self.touch(pack)
+            out.append(whole[span[1]:span[1] + nbytes])
+            run, pos = [], span[1]
+            for cid, loc in zip(cids, item_locs):
+                assert loc is not None  # `_one_span` took only located chunks
+                run.append((cid, loc, whole[pos:pos + loc.length], ""))
+                pos += loc.length
+            checks.append((k, run))
+        # The read path's check (`_verified`: each chunk's id, unless verification is off), in ~8 MiB tasks so the
+        # executor's threads share a big state.
+        batches: list[list[tuple[int, list[tuple[bytes, ChunkLocation, memoryview, str]]]]] = [[]]
+        size = 0
+        for c in checks:
+            if size >= _RUN_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].append(c)
+            size += sum(loc.length for _, loc, _, _ in c[1])
+
+        def bad(batch: list[tuple[int, list[tuple[bytes, ChunkLocation, memoryview, str]]]]) -> list[int]:
+            return [k for k, run in batch if not self._verified(run)]
+
+        if executor is None or len(batches) == 1:
+            failed = [k for b in batches for k in bad(b)]
+        else:
+            failed = [k for f in [executor.submit(bad, b) for b in batches] for k in f.result()]
+        for k in failed:
+            out[k] = None
         return out
 
     def _read_views(self, run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> bool:
@@ -558,36 +564,15 @@ def _will_need(mapping: mmap.mmap, spans: list[tuple[int, int]]) -> None:
 
 
 def _one_span(locs: list[ChunkLocation | None], nbytes: int, align: int) -> tuple[str, int] | None:
-    """(pack, offset of the first) when `locs` are raw chunks stored back to back, in order, in one pack, `nbytes`
-    in all, the first at a multiple of `align`; None otherwise."""
-    first = locs[0] if locs else None
-    if first is None or first.offset % align:
+    """(pack, offset of the first) when `locs` are raw chunks stored back to back, in order, in one pack (one of
+    `contiguous_runs`), `nbytes` in all, the first at a multiple of `align`; None otherwise."""
+    if not locs or any(loc is None for loc in locs):
         return None
-    pos = first.offset
-    for loc in locs:
-        if loc is None or loc.codec != CODEC_RAW or loc.pack != first.pack or loc.offset != pos:
-            return None
-        pos += loc.length
-    return (first.pack, first.offset) if pos - first.offset == nbytes else None
-
-
-def _bad_items(checks: list[tuple[int, list[bytes], list[int], memoryview]]) -> list[int]:
-    """The items of `checks` (index, chunk ids, their lengths, a view of their bytes back to back) whose bytes do
-    not hash to their chunk ids."""
-    bad = []
-    for k, cids, lengths, view in checks:
-        if len(cids) == 1:
-            ok = chunk_id(view) == cids[0]
-        else:
-            pos, ok = 0, True
-            for cid, n in zip(cids, lengths):
-                if chunk_id(view[pos:pos + n]) != cid:
-                    ok = False
-                    break
-                pos += n
-        if not ok:
-            bad.append(k)
-    return bad
+    first = locs[0]
+    assert first is not None
+    if first.codec != CODEC_RAW or first.offset % align or len(contiguous_runs([(b"", loc) for loc in locs], "")) > 1:
+        return None
+    return (first.pack, first.offset) if sum(loc.length for loc in locs if loc is not None) == nbytes else None
 
 
 def contiguous_runs(chunks: list[tuple[bytes, ChunkLocation | None]],
