@@ -7,6 +7,7 @@ of the partial save does (it is deterministic: only the changed tensors' chunks 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,3 +103,57 @@ def test_the_gpu_probe_runs_on_the_host_and_names_each_shape(tmp_path: Path) -> 
     if not torch.cuda.is_available():
         r = subprocess.run([sys.executable, str(probe), "load"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 1 and "pass --device cpu" in r.stderr
+
+
+def _resident_pages(start: int, length: int) -> int:
+    """Pages of [start, start + length) this process has mapped in (/proc/self/smaps' Rss of that mapping)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    for i, line in enumerate(lines):
+        head = line.split()[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            if lo <= start < hi:
+                rss = next(x for x in lines[i + 1:] if x.startswith("Rss:"))
+                assert start + length <= hi
+                return int(rss.split()[1]) * 1024 // 4096
+    raise AssertionError("mapping not found")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="needs /proc/self/smaps")
+def test_the_touch_after_a_timed_load_maps_in_every_page_of_lazy_tensors(tmp_path: Path) -> None:
+    # The bench reads one byte per page after every load so lazy (mapped) loads pay for their reads: small
+    # tensors take a byte read per page, big ones a torch op; both must reach every page, the last included.
+    import mmap
+
+    from datastates.bench.peers import _touch_pages
+
+    page = 4096
+    f = tmp_path / "lazy.bin"
+    data = bytes(range(256)) * (64 * page // 256)
+    f.write_bytes(data)
+    with f.open("rb") as fh:
+        # Out of the page cache and read at random: a fault maps in its own page only (no read-around,
+        # and no neighbours already cached to map around it).
+        os.fsync(fh.fileno())
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        m = mmap.mmap(fh.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    m.madvise(mmap.MADV_RANDOM)
+    base = torch.frombuffer(m, dtype=torch.uint8)
+    state = {
+        "small": base[0:3 * page + 8].view(torch.int64),
+        "big": base[16 * page:48 * page].view(torch.float32),
+        "strided": base[48 * page:56 * page].view(torch.int32)[::2],
+        "empty": base[:0],
+        "scalar": base[60 * page:60 * page + 4].view(torch.float32)[0],
+    }
+    assert _resident_pages(base.data_ptr(), len(m)) == 0
+    base[63 * page].item()  # a page no tensor holds: where a fault maps in its neighbours too, counts mean nothing
+    if _resident_pages(base.data_ptr(), len(m)) != 1:
+        pytest.skip("a fault on this file system maps in more than its own page (tmpfs)")
+    _touch_pages(state)
+    # the probe's page, 4 pages of "small" (its last byte is in the fourth), 32 of "big", 8 of "strided", 1 of
+    # "scalar"
+    assert _resident_pages(base.data_ptr(), len(m)) == 1 + 4 + 32 + 8 + 1
+    assert bytes(m) == data  # read, never written
+    del state, base
+    m.close()
