@@ -151,3 +151,29 @@ def test_rows_decoded_one_at_a_time_match_the_full_decode(tmp_path: Path) -> Non
         lazy.row(N + 5)
     with pytest.raises(ds.IntegrityError, match="no row -1"):
         full.row(-1)
+
+
+def test_the_load_columns_of_a_few_rows_are_read_one_by_one_and_match_the_full_decode(tmp_path: Path) -> None:
+    from datastates.save.manifest import _FEW_ROWS, LOAD_COLUMNS
+
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save(_big_state())
+        mid = v.manifests["0"]
+        data = store.repo.objects.read_manifest_bytes(mid)
+    few, many, cached, full = (Manifest(mid, data) for _ in range(4))
+    some = [N + 4, 0, 3, N + 1, 3]  # a view row, tensor rows, the storage row; one twice
+
+    def want(rows: list[int]) -> dict[str, dict[int, Any]]:
+        return {n: {i: full.rows[i][n] for i in rows} for n in LOAD_COLUMNS}
+
+    assert few.load_columns(some) == want(some)
+    assert few.decoded_rows == 4 and few._decoded == {}  # read value by value: no row decoded whole
+    spread = list(range(0, N, N // (_FEW_ROWS + 10)))
+    assert len(spread) > _FEW_ROWS and many.load_columns(spread) == want(spread)
+    assert many.decoded_rows == len(spread)
+    cached.load_columns()  # what a full load decodes: a few rows are taken from it
+    assert cached.load_columns(some) == want(some) and cached.decoded_rows == N + 5
+    for m in (few, cached):
+        for bad in (N + 5, -1):
+            with pytest.raises(ds.IntegrityError, match=f"no row {bad} .*run `datastates fsck`"):
+                m.load_columns([1, bad])

@@ -68,9 +68,13 @@ def _load(repo: Repository, ref: Any, keys: Iterable[str] | None, dev: torch.dev
         # thousands costs a few lookups on a cached manifest, not a pass over every row and node.
         select, route = _key_selector(key_patterns(keys) or [], m, v)
         named = tensor_rows(m.tree, select, route)
-        m.decode(named)
-        bases = [m.row(i)["base"] for i in named if m.row(i)["kind"] in ("alias", "view")]
-        cols = m.load_columns(named + bases)
+        cols = m.load_columns(named)
+        kinds, bases_of = cols["kind"], cols["base"]
+        # The rows that aliases and views name, too (a base that is not a row is refused by `want` below).
+        bases = [bases_of[i] for i in named if kinds[i] in ("alias", "view") and 0 <= bases_of[i] < m.table.num_rows]
+        if bases:
+            for name, values in m.load_columns(bases).items():
+                cols[name].update(values)
     kind, base = cols["kind"], cols["base"]
     rows = m.table.num_rows
     wanted: dict[int, None] = {}  # an ordered set: bases before the rows that point at them
