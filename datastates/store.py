@@ -552,7 +552,9 @@ class Store(Queries):
         self._check_open()
         v = None
         if rank is None:
-            v = self.version(ref)  # resolved once: the ref is read once, and rank_for and the load see one version
+            # Resolved once: the ref is read once, and rank_for and the load see one version (without its
+            # annotations, which a load does not use: one step fewer on the path of a one-tensor load).
+            v = self.repo.version(ref, annotated=False)
             rank, keys = reader.rank_for(v, self.comm if comm is None else as_comm(comm), keys)
         return reader.load(self.repo, ref, keys=keys, device=device, allow_pickle=allow_pickle, rank=rank,
                            executor=self._readers, version=v, mmap=mmap)

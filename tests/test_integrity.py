@@ -98,23 +98,34 @@ TIERED = pytest.mark.parametrize("tiered", [False, True], ids=["single", "tiered
 
 # 1. records and manifests verified on every read ------------------------------------------------
 
+def damage_catalog_copy(cat_dir: Path, vid: str, old: bytes, new: bytes) -> bytes:
+    """Replace `old` by `new` in the catalog's copy of record `vid`; return the intact bytes."""
+    c = Catalog(cat_dir)
+    raw = c.raw_record(vid)
+    assert raw is not None and old in raw
+    with c.env.begin(write=True) as txn:
+        txn.put(bytes.fromhex(vid), raw.replace(old, new), db=c._db["versions"])
+    c.close()
+    return raw
+
+
 @TIERED
 def test_damaged_catalog_copy_is_reread_from_record_file(tmp_path: Path, tiered: bool) -> None:
     cold, hot, ids = make(tmp_path, tiered)
-    cat_dir = (hot or cold) / "catalog"
-    c = Catalog(cat_dir)
-    raw = c.raw_record(ids[1])
-    assert raw is not None
-    bad = raw.replace(b'"step":1', b'"step":7')
-    assert bad != raw
-    with c.env.begin(write=True) as txn:
-        txn.put(bytes.fromhex(ids[1]), bad, db=c._db["versions"])
-    c.close()
+    raw = damage_catalog_copy((hot or cold) / "catalog", ids[1], b'"step":1', b'"step":7')
     s = open_store(cold, hot)
     try:
-        assert s.version(ids[1]).step == 1  # not the 7 the damaged copy says
+        # A load reads the record first (`Catalog.entry`: record and extra in one transaction, no annotations):
+        # checked against its id, and the catalog copy mended from the record file.
+        assert s.load(ids[1])["w"][0].item() == 1.0
         assert s.catalog.raw_record(ids[1]) == raw  # mended
+        assert s.version(ids[1]).step == 1  # not the 7 the damaged copy said
         assert [v.step for v in s.log()] == [2, 1, 0]
+        entry = s.catalog.entry(ids[1], annotations=False)
+        assert entry is not None and entry[0] == raw and entry[2] == {}
+        assert s.catalog.entry("ab" * 32) is None
+        assert s.repo.version(ids[0], annotated=False).annotations == {}  # what a load reads
+        assert s.version(ids[0]).annotations == {"note": "first"}
     finally:
         s.close()
 
@@ -444,12 +455,7 @@ def test_cli_fsck_names_the_tier_and_changes_nothing(tmp_path: Path, capsys: pyt
 
 def test_queries_over_the_store_read_verified_records(tmp_path: Path) -> None:
     cold, hot, ids = make(tmp_path, False)
-    c = Catalog(cold / "catalog")
-    raw = c.raw_record(ids[0])
-    assert raw is not None
-    with c.env.begin(write=True) as txn:
-        txn.put(bytes.fromhex(ids[0]), raw.replace(b'"step":0', b'"step":9'), db=c._db["versions"])
-    c.close()
+    raw = damage_catalog_copy(cold / "catalog", ids[0], b'"step":0', b'"step":9')
     s = open_store(cold, hot)
     try:
         assert sorted(v.step for v in s.find("")) == [0, 1, 2]

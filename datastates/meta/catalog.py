@@ -240,6 +240,22 @@ class Catalog:
         raw = self.raw_record(vid)
         return None if raw is None else self._verified(vid, raw)
 
+    def entry(self, vid: str, annotations: bool = True
+              ) -> tuple[bytes, dict[str, Any], dict[str, Any]] | None:
+        """What `record`, `extra` and `annotations` give for `vid`, read in one transaction (the annotations
+        left empty unless asked for); None if the version is not indexed. Raises what `record` raises."""
+        key = bytes.fromhex(vid)
+        with self.env.begin() as txn:
+            raw = txn.get(key, db=self._db["versions"])
+            if raw is None:
+                return None
+            raw = bytes(raw)
+            extra = txn.get(key, db=self._db["extra"])
+            notes = txn.get(key, db=self._db["annotations"]) if annotations else None
+            extra_d = {} if extra is None else dict(json.loads(extra))
+            notes_d = {} if notes is None else dict(json.loads(notes))
+        return self._verified(vid, raw), extra_d, notes_d  # outside the transaction: a repair writes
+
     def raw_record(self, vid: str) -> bytes | None:
         """The catalog's copy of a record as stored, unverified (fsck compares it)."""
         with self.env.begin(db=self._db["versions"]) as txn:

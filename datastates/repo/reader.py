@@ -56,7 +56,7 @@ def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, devic
 
 def _load(repo: Repository, ref: Any, keys: Iterable[str] | None, dev: torch.device, allow_pickle: bool,
           rank: int | str, executor: Executor | None, version: Version | None, mmap: bool) -> Any:
-    v = repo.version(ref) if version is None else version
+    v = repo.version(ref, annotated=False) if version is None else version
     m = repo.manifest_of(v, rank)
     select, route = None, None
     if keys is None:

@@ -248,16 +248,18 @@ class Repository:
         return vid
 
     # versions ---------------------------------------------------------------------------
-    def version(self, ref: Any) -> Version:
-        """The Version named by `ref` (with its annotations). Raises NotFoundError."""
+    def version(self, ref: Any, annotated: bool = True) -> Version:
+        """The Version named by `ref`, with its annotations (later metrics laid over the record's) unless
+        `annotated` is False: a load needs only the record and whether the version was pruned or damaged.
+        Raises NotFoundError, IntegrityError."""
         vid = self.resolve(ref)
-        data = self.catalog.record(vid)
-        if data is None:
+        got = self.catalog.entry(vid, annotations=annotated)
+        if got is None:
             raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
-        extra = self.catalog.extra(vid)
+        data, extra, notes = got
         v = decode_record(vid, data, timings=extra.get("timings", {}), pruned=bool(extra.get("pruned")),
                           damaged=extra.get("damaged") or None)
-        return with_annotations(v, self.catalog.annotations(vid))
+        return with_annotations(v, notes) if annotated else v
 
     def parents(self, vid: str) -> list[str]:
         data = self.catalog.record(vid)
