@@ -157,3 +157,16 @@ def test_the_touch_after_a_timed_load_maps_in_every_page_of_lazy_tensors(tmp_pat
     assert bytes(m) == data  # read, never written
     del state, base
     m.close()
+
+
+@pytest.mark.parametrize("path", ["save", "async", "load", "one", "partial", "reuse"])
+def test_the_profiling_target_runs_each_path_and_leaves_no_files(tmp_path: Path, path: str,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from datastates.bench import profile
+
+    assert profile.main(["--shape", "cnn", "--scale", "0.02", "--path", path, "--repeats", "2",
+                         "--dir", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f" {path}: median " in line and line.count("wall samples") == 1
+    assert len(line.split("wall samples ")[1].split()) == 2  # one sample per repeat
+    assert list(tmp_path.iterdir()) == []  # its store removed

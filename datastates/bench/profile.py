@@ -6,12 +6,12 @@
 
 Paths: `save` (sync, durable), `async` (the blocking part of save_async; each save waits for the previous
 one before the next starts), `load` (full), `one` (one tensor of the state), `partial` (sync save with
-10 % of the tensors changed). The state is mutated (`add_(1)`) before every save so every save writes
-new bytes, as in `datastates bench`. Prints the median wall seconds of the path and the median CPU
-seconds it used: of the whole process (every thread: caller, pipeline, hashing workers), and of the
-caller's thread alone. On a machine shared with other busy processes, CPU seconds move far less than
-wall seconds. Files go to a fresh directory under --dir (default: the current directory), removed at
-the end.
+10 % of the tensors changed), `reuse` (the same, on a store with `reuse_unchanged=True`). The state is
+mutated (`add_(1)`) before every save so every save writes new bytes, as in `datastates bench`. Prints the
+median wall seconds of the path and the median CPU seconds it used: of the whole process (every thread:
+caller, pipeline, hashing workers), and of the caller's thread alone. On a machine shared with other busy
+processes, CPU seconds move far less than wall seconds. Files go to a fresh directory under --dir (default:
+the current directory), removed at the end.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m datastates.bench.profile")
     p.add_argument("--shape", choices=SHAPES, default="small")
     p.add_argument("--scale", type=float, default=0.25)
-    p.add_argument("--path", choices=("save", "async", "load", "one", "partial"), default="save")
+    p.add_argument("--path", choices=("save", "async", "load", "one", "partial", "reuse"), default="save")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=".")
     args = p.parse_args(argv)
@@ -52,16 +52,16 @@ def main(argv: list[str] | None = None) -> int:
         return r.ru_utime + r.ru_stime
 
     try:
-        store = Store.open(root / "ds", pool_bytes=2 * size)
+        store = Store.open(root / "ds", pool_bytes=2 * size, reuse_unchanged=args.path == "reuse")
         v = store.save(state, branch="main")
         for r in range(args.repeats):
             if args.path in ("save", "async"):
                 _mutate(state)
-            elif args.path == "partial":
+            elif args.path in ("partial", "reuse"):
                 n = max(1, len(keys) // 10)
                 _mutate(state, keys[r * n % len(keys):][:n])
             c0, th0, t0 = proc_cpu(), time.thread_time(), time.perf_counter()
-            if args.path in ("save", "partial"):
+            if args.path in ("save", "partial", "reuse"):
                 v = store.save(state, branch="main")
             elif args.path == "async":
                 h = store.save_async(state, branch="main")
