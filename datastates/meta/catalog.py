@@ -252,8 +252,7 @@ class Catalog:
             raw = bytes(raw)
             extra = txn.get(key, db=self._db["extra"])
             notes = txn.get(key, db=self._db["annotations"]) if annotations else None
-            extra_d = {} if extra is None else dict(json.loads(extra))
-            notes_d = {} if notes is None else dict(json.loads(notes))
+            extra_d, notes_d = _json_dict(extra), _json_dict(notes)
         return self._verified(vid, raw), extra_d, notes_d  # outside the transaction: a repair writes
 
     def raw_record(self, vid: str) -> bytes | None:
@@ -337,8 +336,7 @@ class Catalog:
 
     def extra(self, vid: str) -> dict[str, Any]:
         with self.env.begin(db=self._db["extra"]) as txn:
-            raw = txn.get(bytes.fromhex(vid))
-        return {} if raw is None else dict(json.loads(raw))
+            return _json_dict(txn.get(bytes.fromhex(vid)))
 
     def set_extra(self, vid: str, extra: dict[str, Any]) -> None:
         with self.env.begin(write=True, db=self._db["extra"]) as txn:
@@ -351,7 +349,7 @@ class Catalog:
         key = bytes.fromhex(vid)
         with self.env.begin(write=True) as txn:
             raw = txn.get(key, db=self._db["extra"])
-            extra = {} if raw is None else dict(json.loads(raw))
+            extra = _json_dict(raw)
             if only_if_missing is not None and extra.get(only_if_missing):
                 return extra
             extra.update(set_ or {})
@@ -375,8 +373,7 @@ class Catalog:
     # annotations ------------------------------------------------------------
     def annotations(self, vid: str) -> dict[str, Any]:
         with self.env.begin(db=self._db["annotations"]) as txn:
-            raw = txn.get(bytes.fromhex(vid))
-        return {} if raw is None else dict(json.loads(raw))
+            return _json_dict(txn.get(bytes.fromhex(vid)))
 
     def all_annotations(self) -> dict[str, dict[str, Any]]:
         with self.env.begin(db=self._db["annotations"]) as txn:
@@ -423,3 +420,8 @@ class Catalog:
             for name in _DBS:
                 txn.drop(self._db[name.decode()], delete=False)
             self._dropped_chunks(txn)
+
+
+def _json_dict(raw: bytes | None) -> dict[str, Any]:
+    """A stored JSON object (a version's extra, its annotations) as a dict; {} when nothing is stored."""
+    return {} if raw is None else dict(json.loads(raw))

@@ -566,13 +566,15 @@ def _will_need(mapping: mmap.mmap, spans: list[tuple[int, int]]) -> None:
 def _one_span(locs: list[ChunkLocation | None], nbytes: int, align: int) -> tuple[str, int] | None:
     """(pack, offset of the first) when `locs` are raw chunks stored back to back, in order, in one pack (one of
     `contiguous_runs`), `nbytes` in all, the first at a multiple of `align`; None otherwise."""
-    if not locs or any(loc is None for loc in locs):
+    located = [loc for loc in locs if loc is not None]
+    if not located or len(located) < len(locs):
         return None
-    first = locs[0]
-    assert first is not None
-    if first.codec != CODEC_RAW or first.offset % align or len(contiguous_runs([(b"", loc) for loc in locs], "")) > 1:
+    first = located[0]
+    if first.codec != CODEC_RAW or first.offset % align:
         return None
-    return (first.pack, first.offset) if sum(loc.length for loc in locs if loc is not None) == nbytes else None
+    if len(contiguous_runs([(b"", loc) for loc in located], "")) > 1:
+        return None
+    return (first.pack, first.offset) if sum(loc.length for loc in located) == nbytes else None
 
 
 def contiguous_runs(chunks: list[tuple[bytes, ChunkLocation | None]],
