@@ -1,4 +1,5 @@
-"""`datastates bench --rss` end to end on a tiny state: the report's keys and that each growth was measured.
+"""`datastates bench --rss` end to end on a tiny state: the report's keys, that each growth and time was measured,
+and the restart line's ratios.
 
 Peak RSS on a shared machine that hands freed memory back moves from run to run, so no test here
 asserts a bound, a ratio or a size: only that every method ran in its own process and reported a
@@ -12,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from datastates.bench.rss import RSS_METHODS, _proc_status
+from datastates.bench.rss import RSS_METHODS, _proc_status, method_order
 from datastates.cli import main
 
 KEYS = {"label", "state_bytes", "pool_bytes", "pool_capacity_bytes", "growth_bytes", "growth_samples", "pool_samples",
         "ratio_samples", "baseline_bytes", "peak_bytes", "bound_bytes", "bound", "ratio", "pass", "target",
-        "peak_reset"}
+        "peak_reset", "seconds", "seconds_samples"}
 
 
 @pytest.mark.skipif(not _proc_status(), reason="needs /proc/self/status (Linux)")
@@ -37,11 +38,20 @@ def test_bench_rss_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert m["state_bytes"] == rep["config"]["bytes"] > 0, key  # loads return the whole state
         assert m["peak_bytes"] >= m["baseline_bytes"] > 0, key
         assert m["pass"] in (True, False)
+        assert m["seconds"] > 0 and m["seconds_samples"] == [m["seconds"]], key
     assert rep["rss"]["ds_save"]["target"] and not rep["rss"]["torch_load"]["target"]
     assert rep["rss"]["torch_save_fsync"]["pool_bytes"] == 0
+    # The restart line: each peer's load over ours, from the same median seconds; targets only against the full load.
+    restart = {r["label"]: r for r in rep["restart"]}
+    assert len(restart) == 4
+    full = restart["torch.load / datastates load (full)"]
+    assert full["value"] == pytest.approx(rep["rss"]["torch_load"]["seconds"] / rep["rss"]["ds_load"]["seconds"])
+    assert full["target"] == 1.2 and full["pass"] == (full["value"] >= 1.2)
+    assert restart["torch.load / datastates load(mmap=True)"]["target"] is None
     printed = capsys.readouterr().out
     assert "datastates bench --rss" in printed
     assert "PASS" in printed or "MISS" in printed
+    assert "loads as after a restart" in printed and "safetensors load_file / datastates load (full)" in printed
 
 
 def test_rss_option_defaults() -> None:
@@ -51,3 +61,13 @@ def test_rss_option_defaults() -> None:
     args = build_parser().parse_args(["bench", "--rss", "--shape", "cnn"])
     cfg = config_from_args(args)
     assert cfg.rss and cfg.repeats == 3 and cfg.shape == "cnn"
+
+
+def test_rss_method_order_alternates() -> None:
+    # every method runs in every repeat; on odd repeats backward, so no load always follows the same save
+    forward = list(RSS_METHODS)
+    assert method_order(0) == method_order(2) == forward
+    assert method_order(1) == forward[::-1]
+    backward = method_order(1)
+    assert forward[forward.index("ds_load") - 1] == "torch_save_fsync"
+    assert backward[backward.index("ds_load") - 1] == "ds_load_mmap"

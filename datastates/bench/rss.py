@@ -1,4 +1,4 @@
-"""Peak RSS of one save or one load, each in a fresh process: `datastates bench --rss` (issue 13).
+"""Peak RSS and time of one save or one load, each in a fresh process: `datastates bench --rss` (issue 13).
 
     datastates bench --rss --shape transformer         # 5 methods x 3 fresh processes, medians
     datastates bench --rss --quick --size 8MiB         # a tiny state (what the tests run)
@@ -21,7 +21,13 @@ What a measurement guarantees:
 - the state is the one `datastates bench` builds (`--shape`/`--scale`, or `--size`/`--tensors`),
   seeded, so the loads read the same state the saves write; the files for the loads are written once
   by an unmeasured child before the measurements;
-- methods are interleaved inside each repeat; the median of the repeats is reported with every sample;
+- the operation's wall time is reported too: for the loads it is a restart's (a fresh process opens the
+  store and loads), the case `load` exists for, beside the timed bench's loads in one long-lived process;
+  the restart line gives torch.load and safetensors over our load, against issue 13's 1.2. On a VM that
+  hands freed memory back to its host, a load's first touch of new pages moves its time by 2-3x from one
+  process or repeat to the next (docs/perf-notes.md, "Loads at full size"): compare medians;
+- methods are interleaved inside each repeat, in order on even repeats and backward on odd ones; the median
+  of the repeats is reported with every sample;
 - every file lives in one fresh directory under `--dir`, removed at the end.
 
 The bounds, per method (`bound_bytes`): the state is resident before a save starts, so the issue's
@@ -62,6 +68,7 @@ RSS_METHODS: dict[str, str] = {
     "ds_load": "datastates load (full)",
     "ds_load_mmap": "datastates load(mmap=True)",
     "torch_load": "torch.load",
+    "safetensors_load": "safetensors load_file",
 }
 """The methods `--rss` measures, in print order; the JSON uses these keys."""
 
@@ -71,7 +78,13 @@ SAVE_SLACK = 0.10
 LOAD_FACTOR = 1.1
 """A load may grow by this multiple of the state (issue 13: its result is the state itself)."""
 
-_DS_DIR, _PT_FILE = "ds", "state.pt"  # what the prepare step writes for the loads
+_DS_DIR, _PT_FILE, _ST_FILE = "ds", "state.pt", "state.safetensors"  # what the prepare step writes for the loads
+_LOAD_FILES = {"ds_load": _DS_DIR, "ds_load_mmap": _DS_DIR, "torch_load": _PT_FILE, "safetensors_load": _ST_FILE}
+
+RESTART_RATIOS = (("torch_load", "ds_load", 1.2), ("safetensors_load", "ds_load", 1.2),
+                  ("torch_load", "ds_load_mmap", None), ("safetensors_load", "ds_load_mmap", None))
+"""(peer, ours, issue 13's target or None) for the restart line: the median seconds of each load in a fresh
+process, as after a failure."""
 
 
 # --- the child: one operation, measured in its own process ---------------------------------------------
@@ -109,15 +122,19 @@ def _state(args: argparse.Namespace) -> dict[str, torch.Tensor]:
 
 
 def _measure(op: Callable[[], dict[str, Any]]) -> dict[str, Any]:
-    """Run `op` between a baseline and a peak reading; return its own fields plus the RSS figures."""
+    """Run `op` between a baseline and a peak reading; return its own fields plus the RSS figures and the
+    wall seconds `op` took."""
     gc.collect()
     reset = _reset_peak()
     base = _proc_status().get("VmRSS", 0)
+    t0 = time.perf_counter()
     extra = op()
+    seconds = time.perf_counter() - t0
     peak = _proc_status().get("VmHWM", 0)
     if not reset:
         peak = max(peak, base)
-    return {**extra, "baseline_bytes": base, "peak_bytes": peak, "growth_bytes": peak - base, "peak_reset": reset}
+    return {**extra, "baseline_bytes": base, "peak_bytes": peak, "growth_bytes": peak - base, "peak_reset": reset,
+            "seconds": seconds}
 
 
 def _child(argv: list[str] | None = None) -> int:
@@ -136,7 +153,7 @@ def _child(argv: list[str] | None = None) -> int:
     import torch
 
     from ..store import Store
-    from .peers import _torch_save
+    from .peers import _safetensors_save, _torch_save
 
     root = Path(args.dir)
     method = args.method
@@ -147,6 +164,7 @@ def _child(argv: list[str] | None = None) -> int:
                         zstd_level=args.zstd) as store:
             store.save(state, branch="main", message="rss")
         _torch_save(state, root / _PT_FILE)
+        _safetensors_save(state, root / _ST_FILE)
         result = {"state_bytes": _nbytes(state), "tensors": len(state)}
     elif method in SAVES:
         state = _state(args)
@@ -172,11 +190,15 @@ def _child(argv: list[str] | None = None) -> int:
 
         result = {"state_bytes": size, **_measure(save)}
     else:
-        _drop_cache([root / (_DS_DIR if method.startswith("ds_load") else _PT_FILE)])
+        _drop_cache([root / _LOAD_FILES[method]])
+        if method == "safetensors_load":
+            from safetensors.torch import load_file  # imported before the baseline, as torch is
 
         def load() -> dict[str, Any]:
             if method == "torch_load":
                 got = torch.load(root / _PT_FILE, weights_only=True)
+            elif method == "safetensors_load":
+                got = load_file(str(root / _ST_FILE))
             else:
                 with Store.open(root / _DS_DIR, create=False) as store:
                     got = store.load("main", mmap=method == "ds_load_mmap")
@@ -222,6 +244,13 @@ def _spawn(cfg: Config, method: str, root: Path) -> dict[str, Any]:
     return got
 
 
+def method_order(repeat: int) -> list[str]:
+    """The methods of repeat `repeat` (from 0) in the order their children run: `RSS_METHODS`' order, backward on odd
+    repeats, so that no method always runs right after the same one (what the process before did to the
+    machine's memory and disk can move a 1 GiB load by 2-3x on a VM; docs/perf-notes.md "Loads at full size")."""
+    return list(RSS_METHODS)[::-1] if repeat % 2 else list(RSS_METHODS)
+
+
 def _bound(method: str, state: int, pool: int) -> int:
     return int(state * LOAD_FACTOR) if method not in SAVES else pool + int(state * SAVE_SLACK)
 
@@ -234,8 +263,8 @@ def run_rss(cfg: Config) -> dict[str, Any]:
     """
     import platform
 
-    # The prepared store and .pt file, plus one save's output at a time.
-    parent, fs, root = fresh_dir(cfg, 4, ".datastates-bench-rss-", _log)
+    # The prepared store, .pt and .safetensors files, plus one save's output at a time.
+    parent, fs, root = fresh_dir(cfg, 5, ".datastates-bench-rss-", _log)
     t_start = time.time()
     samples: dict[str, list[dict[str, Any]]] = {m: [] for m in RSS_METHODS}
     try:
@@ -244,7 +273,7 @@ def run_rss(cfg: Config) -> dict[str, Any]:
         _log(f"state: {prep['state_bytes'] / 2**20:.0f} MiB in {prep['tensors']} tensors; {cfg.repeats} repeats "
              f"of {len(RSS_METHODS)} methods, each in a fresh process")
         for r in range(cfg.repeats):
-            for method in RSS_METHODS:
+            for method in method_order(r):
                 got = _spawn(cfg, method, root)
                 samples[method].append(got)
                 _log(f"repeat {r + 1}/{cfg.repeats} {method}: growth {got['growth_bytes'] / 2**20:.1f} MiB")
@@ -270,15 +299,26 @@ def run_rss(cfg: Config) -> dict[str, Any]:
             "bound_bytes": int(statistics.median(bounds)),
             "bound": f"<= pool + {SAVE_SLACK:.0%} of state" if method in SAVES else f"<= {LOAD_FACTOR:g} x state",
             "ratio": ratio, "ratio_samples": ratios, "pass": ratio <= 1.0, "target": method.startswith("ds_"),
-            "peak_reset": all(s["peak_reset"] for s in runs)}
+            "peak_reset": all(s["peak_reset"] for s in runs),
+            "seconds": statistics.median(s["seconds"] for s in runs), "seconds_samples": [s["seconds"] for s in runs]}
     return {"command": command_line(cfg), "date": time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t_start)),
-            "duration_s": time.time() - t_start,
+            "duration_s": time.time() - t_start, "restart": _restart_ratios(methods),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version(), "fs_type": fs, "dir": str(parent)},
             "config": {"size": cfg.size, "bytes": prep["state_bytes"], "tensors": prep["tensors"],
                        "shape": cfg.shape, "scale": cfg.scale, "repeats": cfg.repeats, "quick": cfg.quick,
                        "chunk_size": cfg.chunk_size, "zstd": cfg.zstd},
             "rss": methods}
+
+
+def _restart_ratios(methods: dict[str, Any]) -> list[dict[str, Any]]:
+    """`RESTART_RATIOS` from the median seconds: label, value, target (None: for information) and pass."""
+    out = []
+    for peer, ours, target in RESTART_RATIOS:
+        value = methods[peer]["seconds"] / methods[ours]["seconds"] if methods[ours]["seconds"] > 0 else None
+        out.append({"label": f"{RSS_METHODS[peer]} / {RSS_METHODS[ours]}", "value": value, "target": target,
+                    "pass": None if target is None or value is None else value >= target})
+    return out
 
 
 def print_rss_report(rep: dict[str, Any], out: TextIO) -> None:
@@ -289,17 +329,22 @@ def print_rss_report(rep: dict[str, Any], out: TextIO) -> None:
     print(f"\ndatastates bench --rss: {cfg['bytes'] / mib:.0f} MiB in {cfg['tensors']} tensors, {kind}, "
           f"{cfg['repeats']} fresh processes per method, {rep['machine']['cpus']} CPUs", file=out)
     w = 34
-    print(f"\n{'method':<{w}} {'state MiB':>9} {'pool MiB':>8} {'growth MiB':>10} {'bound MiB':>9} "
+    print(f"\n{'method':<{w}} {'seconds':>8} {'state MiB':>9} {'pool MiB':>8} {'growth MiB':>10} {'bound MiB':>9} "
           f"{'ratio':>6}  result  samples (MiB)", file=out)
     for m in rep["rss"].values():
         verdict = ("PASS" if m["pass"] else "MISS") if m["target"] else ("within" if m["pass"] else "over")
         samples = " ".join(f"{s / mib:.1f}" for s in m["growth_samples"])
-        print(f"{m['label']:<{w}} {m['state_bytes'] / mib:>9.1f} {m['pool_bytes'] / mib:>8.1f} "
+        print(f"{m['label']:<{w}} {m['seconds']:>8.4f} {m['state_bytes'] / mib:>9.1f} {m['pool_bytes'] / mib:>8.1f} "
               f"{m['growth_bytes'] / mib:>10.1f} {m['bound_bytes'] / mib:>9.1f} {m['ratio']:>6.2f}  {verdict:<6}  "
               f"{samples}", file=out)
-    print(f"(growth: peak RSS (VmHWM) minus RSS just before the operation; medians; ratio: median of growth/bound;\n"
-          f" bound: saves pool + {SAVE_SLACK:.0%} of the state, loads {LOAD_FACTOR:g}x the state; torch rows are for "
-          "comparison)", file=out)
+    print(f"(seconds: the operation's wall time in its fresh process; growth: peak RSS (VmHWM) minus RSS just\n"
+          f" before the operation; medians; ratio: median of growth/bound; bound: saves pool + {SAVE_SLACK:.0%} of\n"
+          f" the state, loads {LOAD_FACTOR:g}x the state; torch and safetensors rows are for comparison)", file=out)
+    print("\nloads as after a restart (each in a fresh process; median seconds):", file=out)
+    for r in rep["restart"]:
+        value = "-" if r["value"] is None else f"{r['value']:.3f}"
+        verdict = "(info)" if r["target"] is None else f">= {r['target']:g}  {'PASS' if r['pass'] else 'MISS'}"
+        print(f"  {r['label']:<60} {value:>7}  {verdict}", file=out)
     if not all(m["peak_reset"] for m in rep["rss"].values()):
         print("WARNING: /proc/self/clear_refs refused the high-water-mark reset: growths are upper bounds", file=out)
     missed = [m["label"] for m in rep["rss"].values() if m["target"] and not m["pass"]]
