@@ -27,6 +27,7 @@ from datastates.errors import DataStatesError, SaveFailedError, StorageFullError
 from datastates.meta.refs import RefStore
 from datastates.objects.packs import PackWriter
 from datastates.objects.tier import Tier
+from datastates.save.foreign import tensors_by_key as _tensors  # key path -> tensor of a nested state
 from datastates.store import Store
 
 MiB = 1 << 20
@@ -102,20 +103,6 @@ def _outcome(s: Store, handle: Any, timeout: float = WAIT) -> BaseException | No
 def _bits(t: torch.Tensor) -> torch.Tensor:
     flat = t.detach().cpu().contiguous().reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
-
-
-def _tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
-    """key path -> tensor for every tensor in a nested dict/list/tuple state."""
-    out: dict[str, torch.Tensor] = {}
-    if isinstance(tree, torch.Tensor):
-        out[prefix] = tree
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            out.update(_tensors(v, f"{prefix}.{k}" if prefix else str(k)))
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            out.update(_tensors(v, f"{prefix}.{i}" if prefix else str(i)))
-    return out
 
 
 def _snapshot(state: Any) -> dict[str, torch.Tensor]:

@@ -56,10 +56,15 @@ def mpirun(n: int, store: Path, mode: str, check: bool = True,
 
 
 def torchrun(n: int, store: Path, mode: str, init: Path, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    return _launch(n, store, [str(JOB), "torch", str(store), mode, str(init)], env)
+
+
+def _launch(n: int, store: Path, argv: list[str], env: dict[str, str] | None) -> list[dict[str, Any]]:
+    """`n` ranks of `python argv...` (RANK and WORLD_SIZE set, as torchrun would), each rank's output read back."""
     out = _outdir(store)
     env = {**os.environ, "WORLD_SIZE": str(n), "DIST_OUT": str(out), **(env or {})}
-    procs = [subprocess.Popen([sys.executable, str(JOB), "torch", str(store), mode, str(init)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen([sys.executable, *argv], env={**env, "RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
              for r in range(n)]
     try:
         # Every rank's end, not only the first failure's: a rank that dies shows up in the others as a closed
@@ -202,22 +207,7 @@ DCP_JOB = Path(__file__).parent / "helpers" / "dcp_job.py"
 
 
 def dcprun(n: int, store: Path, mode: str, init: Path, env: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    out = _outdir(store)
-    env = {**os.environ, "WORLD_SIZE": str(n), "DIST_OUT": str(out), **(env or {})}
-    procs = [subprocess.Popen([sys.executable, str(DCP_JOB), str(store), mode, str(init)],
-                              env={**env, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for r in range(n)]
-    try:
-        # Every rank's end, not only the first failure's: a rank that dies shows up in the others as a closed
-        # connection, and the cause is in its own output.
-        ended = [p.communicate(timeout=LAUNCH_TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    failed = [f"rank {r} exited {p.returncode}:\n{o[-1500:]}{e[-1500:]}"
-              for r, (p, (o, e)) in enumerate(zip(procs, ended)) if p.returncode != 0]
-    assert not failed, "\n".join(failed)
-    return _read(out)
+    return _launch(n, store, [str(DCP_JOB), str(store), mode, str(init)], env)
 
 
 @pytest.mark.timeout(600)
