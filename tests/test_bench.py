@@ -159,6 +159,62 @@ def test_the_touch_after_a_timed_load_maps_in_every_page_of_lazy_tensors(tmp_pat
     m.close()
 
 
+def test_a_cold_start_reads_the_newest_files_within_its_budget_then_drops_every_one(tmp_path: Path) -> None:
+    # Every loader starts alike: its files read once (newest first, about as many bytes as the load reads, not a
+    # store's older versions) and then out of the page cache.
+    import ctypes
+    import mmap
+
+    from datastates.bench.peers import cold_start
+
+    packs = tmp_path / "ds" / "packs"
+    packs.mkdir(parents=True)
+    mib = 1 << 20
+    files = []
+    for i, name in enumerate(["old", "mid", "new"]):
+        f = packs / f"{name}.pack"
+        with f.open("wb") as fh:
+            fh.write(bytes([i + 1]) * mib)
+            os.fsync(fh.fileno())  # clean pages: dirty ones are not dropped
+        os.utime(f, ns=(10**9 * (i + 1), 10**9 * (i + 1)))
+        files.append(f)
+    assert cold_start([tmp_path / "ds"], mib + 1) == 2 * mib  # "new", then "mid" to pass the budget; "old" unread
+    assert cold_start([tmp_path / "ds"]) == 3 * mib
+    assert cold_start([files[0]], 10) == mib  # read in whole blocks: a file smaller than one is read whole
+    assert cold_start([tmp_path / "missing"]) == 0
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+
+    def resident(f: Path) -> int:
+        """Pages of `f` in the page cache (mincore over a mapping that touches none of them)."""
+        n = f.stat().st_size
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, n, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            assert addr not in (None, ctypes.c_void_p(-1).value)
+            vec = ctypes.create_string_buffer((n + 4095) // 4096)
+            try:
+                assert libc.mincore(addr, n, vec) == 0
+            finally:
+                libc.munmap(addr, n)
+        finally:
+            os.close(fd)
+        return sum(b & 1 for b in vec.raw)
+
+    for f in files:
+        f.read_bytes()
+    if resident(files[2]) == 0:
+        pytest.skip("this file system does not keep file pages in the page cache")
+    cold_start([tmp_path / "ds"], 1)
+    if any(resident(f) for f in files):
+        pytest.skip("this file system keeps its pages after posix_fadvise(DONTNEED) (tmpfs)")
+    assert [resident(f) for f in files] == [0, 0, 0]  # the unread ones dropped too
+
+
 @pytest.mark.parametrize("path", ["save", "async", "load", "one", "partial", "reuse"])
 def test_the_profiling_target_runs_each_path_and_leaves_no_files(tmp_path: Path, path: str,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:

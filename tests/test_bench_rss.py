@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from datastates.bench.rss import RSS_METHODS, _proc_status, method_order
+from datastates.bench.rss import RSS_METHODS, SAVES, _proc_status, method_order
 from datastates.cli import main
 
 KEYS = {"label", "state_bytes", "pool_bytes", "pool_capacity_bytes", "growth_bytes", "growth_samples", "pool_samples",
@@ -63,11 +63,17 @@ def test_rss_option_defaults() -> None:
     assert cfg.rss and cfg.repeats == 3 and cfg.shape == "cnn"
 
 
-def test_rss_method_order_alternates() -> None:
-    # every method runs in every repeat; on odd repeats backward, so no load always follows the same save
-    forward = list(RSS_METHODS)
-    assert method_order(0) == method_order(2) == forward
-    assert method_order(1) == forward[::-1]
-    backward = method_order(1)
-    assert forward[forward.index("ds_load") - 1] == "torch_save_fsync"
-    assert backward[backward.index("ds_load") - 1] == "ds_load_mmap"
+def test_rss_method_order_rotates() -> None:
+    # every method runs once per repeat, saves before loads; over four repeats each of the four loads is the
+    # first one after the saves exactly once
+    loads = [m for m in RSS_METHODS if m not in SAVES]
+    orders = [method_order(r) for r in range(4)]
+    for order in orders:
+        assert sorted(order) == sorted(RSS_METHODS)
+        assert set(order[:len(SAVES)]) == set(SAVES)
+    assert orders[0][:len(SAVES)] == list(SAVES) and orders[0][len(SAVES)] == "ds_load"
+    assert sorted(o[len(SAVES)] for o in orders) == sorted(loads)
+    # each ordered pair of loads is adjacent exactly once over the four repeats
+    pairs = [(o[i], o[i + 1]) for o in orders for i in range(len(SAVES), len(o) - 1)]
+    assert len(pairs) == len(set(pairs)) == 12
+    assert method_order(12) == orders[0]  # saves repeat every 3, loads every 4

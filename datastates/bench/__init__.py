@@ -12,8 +12,9 @@ What a run guarantees:
 - methods are interleaved inside each repeat and every timed step follows the same warm-up (garbage
   collection, a copy of the state into a scratch copy, and a touch of the method's own reusable
   buffers), so drift of the machine hits every method alike; medians are reported;
-- loads start cold: the files' pages are dropped from the page cache (posix_fadvise) first, and end
-  with one read per page of the result, so lazy (mmap) loaders pay for their reads too;
+- loads start cold: the files are read once, untimed, then dropped from the page cache (posix_fadvise), so every
+  loader starts alike however its files were written (`peers.cold_start`); each load ends with one read per
+  page of the result, so lazy (mmap) loaders pay for their reads too;
 - each load's result is checked bit-exact against the saved state once (a fast wrong answer is no result);
 - every file lives in one fresh directory (under `--store`, default the current directory), removed
   at the end; other methods' files are deleted right after they are timed;

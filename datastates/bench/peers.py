@@ -139,6 +139,30 @@ def _drop_cache(paths: Iterable[Path]) -> None:
                 os.close(fd)
 
 
+def cold_start(paths: Iterable[Path], budget: int | None = None) -> int:
+    """Before a timed cold load: read `paths` once (untimed; newest files first, at most about `budget` bytes
+    when given: what the load will read, not every older version of a store), then drop every file of them from
+    the page cache, so that every loader starts alike: its files read before and just dropped, their pages
+    freed right before it fills as many.
+
+    Why: on a VM that hands freed memory back to its host, a page touched for the first time since costs ~10x
+    more, and dropping a file's cached pages frees pages in use. A file written through the page cache
+    (torch.save, safetensors) was still cached when its load dropped it, and so handed its loader a state's worth
+    of such pages; our packs, written with O_DIRECT, were not, and handed ours none: the first load of a freshly
+    saved 1 GiB store took 2.5-2.8 s, the next ones 0.51-0.61 s (docs/perf-notes.md "Cold loads and the pages
+    they fill"). Returns the bytes read; paths that do not exist are left out."""
+    files = [q for p in paths for q in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []) if q.is_file()]
+    done = 0
+    for q in sorted(files, key=lambda f: f.stat().st_mtime_ns, reverse=True):
+        if budget is not None and done >= budget:
+            break
+        with open(q, "rb", buffering=0) as f:
+            while (budget is None or done < budget) and (n := len(f.read(8 << 20))):
+                done += n
+    _drop_cache(files)
+    return done
+
+
 def _remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path, ignore_errors=True)

@@ -9,8 +9,8 @@ process's high-water mark keeps whatever an earlier step touched (the state's bu
 buffers, a warm pool), so each method runs in a process of its own, started for that one measurement.
 
 What a measurement guarantees:
-- the child imports torch and the store, builds the state (for a save) or drops the saved files from
-  the page cache (for a load: `posix_fadvise`, as the timed bench does), collects garbage, then reads
+- the child imports torch and the store, builds the state (for a save) or reads the saved files once and
+  drops them from the page cache (for a load: `cold_start`, as the timed bench does), collects garbage, then reads
   its baseline (VmRSS) just before the operation; the peak is VmHWM right after it, with the
   high-water mark first reset to the baseline by writing "5" to /proc/self/clear_refs. Where that
   reset is refused, the peak is the process's VmHWM as it stands (it may date from the build) and the
@@ -26,8 +26,9 @@ What a measurement guarantees:
   the restart line gives torch.load and safetensors over our load, against issue 13's 1.2. On a VM that
   hands freed memory back to its host, a load's first touch of new pages moves its time by 2-3x from one
   process or repeat to the next (docs/perf-notes.md, "Loads at full size"): compare medians;
-- methods are interleaved inside each repeat, in order on even repeats and backward on odd ones; the median
-  of the repeats is reported with every sample;
+- methods are interleaved inside each repeat, the saves first, then the loads in a balanced order that
+  changes every repeat (`method_order`: no load always runs first or after the same method); the median of
+  the repeats is reported with every sample;
 - every file lives in one fresh directory under `--dir`, removed at the end.
 
 The bounds, per method (`bound_bytes`): the state is resident before a save starts, so the issue's
@@ -55,7 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from .options import SHAPE_TARGETS, Config, command_line
-from .peers import _drop_cache, _nbytes, _touch_pages, fresh_dir, make_state
+from .peers import _nbytes, _touch_pages, cold_start, fresh_dir, make_state
 from .shapes import SHAPES, build
 
 if TYPE_CHECKING:
@@ -190,7 +191,9 @@ def _child(argv: list[str] | None = None) -> int:
 
         result = {"state_bytes": size, **_measure(save)}
     else:
-        _drop_cache([root / _LOAD_FILES[method]])
+        # As the timed bench does: read once, then dropped, so that no loader gains from whether its files were
+        # last written through the page cache.
+        cold_start([root / _LOAD_FILES[method]])
         if method == "safetensors_load":
             from safetensors.torch import load_file  # imported before the baseline, as torch is
 
@@ -245,10 +248,17 @@ def _spawn(cfg: Config, method: str, root: Path) -> dict[str, Any]:
 
 
 def method_order(repeat: int) -> list[str]:
-    """The methods of repeat `repeat` (from 0) in the order their children run: `RSS_METHODS`' order, backward on odd
-    repeats, so that no method always runs right after the same one (what the process before did to the
-    machine's memory and disk can move a 1 GiB load by 2-3x on a VM; docs/perf-notes.md "Loads at full size")."""
-    return list(RSS_METHODS)[::-1] if repeat % 2 else list(RSS_METHODS)
+    """The methods of repeat `repeat` (from 0) in the order their children run: the saves (rotated by `repeat`),
+    then the loads in row `repeat` of a balanced Latin square: over as many repeats as there are loads (four),
+    each load runs first after the saves once and right after each other load once. What the process before
+    did to the machine's memory and disk can move a 1 GiB load by 2-3x on a VM (docs/perf-notes.md "Loads at
+    full size"), so no load may always follow the same method."""
+    saves = [m for m in RSS_METHODS if m in SAVES]
+    loads = [m for m in RSS_METHODS if m not in SAVES]
+    n, s = len(loads), repeat % len(saves)
+    # Williams' first row 0, 1, n-1, 2, n-2, ...; row r adds r to each (mod n).
+    first = [0] + [(k + 1) // 2 if k % 2 else n - k // 2 for k in range(1, n)]
+    return saves[s:] + saves[:s] + [loads[(i + repeat) % n] for i in first]
 
 
 def _bound(method: str, state: int, pool: int) -> int:

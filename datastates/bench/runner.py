@@ -26,7 +26,6 @@ from .peers import (
     Trainer,
     Warmup,
     _check_equal,
-    _drop_cache,
     _is_done,
     _load_and_touch,
     _mutate,
@@ -35,6 +34,7 @@ from .peers import (
     _result,
     _safetensors_save,
     _torch_save,
+    cold_start,
     fresh_dir,
     make_state,
 )
@@ -125,8 +125,9 @@ class _Bench:
         return out
 
     def timed_load(self, key: str, nbytes: int, files: Path, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        """A cold load: drop `files` from the page cache, then time the load plus one read per page of its result."""
-        _drop_cache([files])
+        """A cold load: `files` read once and dropped from the page cache (`cold_start`), then the load timed, plus
+        one read per page of its result."""
+        cold_start([files], nbytes)
         return self.timed(key, nbytes, (), _load_and_touch, fn, *args, **kw)
 
     def timed_async(self, blocking_key: str, end_key: str, buffers: Sequence[Any], start: Callable[[], Any],
