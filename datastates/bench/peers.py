@@ -122,21 +122,24 @@ def _fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _files(paths: Iterable[Path]) -> list[Path]:
+    """The regular files among `paths` and under those that are directories; paths that do not exist give none."""
+    return [q for p in paths for q in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []) if q.is_file()]
+
+
 def _drop_cache(paths: Iterable[Path]) -> None:
     """Evict the files' clean pages so the next read comes from the disk (cold loads for every method)."""
     if not hasattr(os, "posix_fadvise"):
         return
-    for p in paths:
-        files = [p] if p.is_file() else [q for q in p.rglob("*") if q.is_file()] if p.is_dir() else []
-        for q in files:
-            try:
-                fd = os.open(q, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    for q in _files(paths):
+        try:
+            fd = os.open(q, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def cold_start(paths: Iterable[Path], budget: int | None = None) -> int:
@@ -152,7 +155,7 @@ def cold_start(paths: Iterable[Path], budget: int | None = None) -> int:
     saved 1 GiB store took 2.5-2.8 s, the next ones 0.51-0.61 s (docs/perf-notes.md "Cold loads and the pages
     they fill"). Then as many bytes of anonymous memory are touched and freed, for the load's result. Returns the
     bytes read; paths that do not exist are left out."""
-    files = [q for p in paths for q in ([p] if p.is_file() else p.rglob("*") if p.is_dir() else []) if q.is_file()]
+    files = _files(paths)
     done = 0
     for q in sorted(files, key=lambda f: f.stat().st_mtime_ns, reverse=True):
         if budget is not None and done >= budget:
