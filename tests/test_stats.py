@@ -357,3 +357,74 @@ def test_gathered_pieces_give_what_the_same_pieces_back_to_back_give() -> None:
     assert [p.final() for p in got if isinstance(p, Partial)] == [
         partial(b, torch.float32).final() for b in big]
     assert stats.partial_gathered([], torch.float32) == []
+
+
+def _big_state(seed: int) -> dict[str, torch.Tensor]:
+    # 2 MiB tensors (over capture.BORROW_MIN: a sync save summarizes each 256 KiB chunk alone) and a small one.
+    g = torch.Generator().manual_seed(seed)
+    return {"emb": torch.randn(512, 1024, generator=g) * 3 + 2, "proj": torch.randn(512, 1024, generator=g),
+            "bias": torch.randn(1024, generator=g)}
+
+
+_CHUNK = 256 << 10
+
+
+def test_unchanged_chunks_of_a_big_tensor_are_not_summarized_again(
+        tmp_path: Path, alone: list[torch.dtype]) -> None:
+    st = _big_state(21)
+    with ds.Store.open(tmp_path / "s", chunk_size=_CHUNK) as store:
+        store.save(st)
+        first = {k: list(e.piece_stats or []) for k, e in store._saver.memory.by_key.items()}
+        assert [len(first[k]) for k in ("emb", "proj")] == [8, 8]  # one summary per chunk, kept
+        alone.clear()
+        st["emb"][300, 5] += 1.0  # one element: chunk 4 of 8 (rows 256-319 hold its bytes)
+        v2 = store.save(st)
+        second = {k: e.piece_stats or [] for k, e in store._saver.memory.by_key.items()}
+    # Only the changed chunk was summarized; the others are the very summaries the first save made.
+    assert alone == [torch.float32]
+    assert [a is b for a, b in zip(first["emb"], second["emb"])] == [True] * 4 + [False] + [True] * 3
+    assert all(a is b for a, b in zip(first["proj"], second["proj"]))
+    with ds.Store.open(tmp_path / "fresh", chunk_size=_CHUNK) as fresh:
+        # The same statistics, bit for bit, as a store that never saw the first state: the same manifest.
+        assert fresh.save(st).manifests == v2.manifests
+
+
+@pytest.mark.parametrize("how", ["save", "save_async"])
+def test_a_big_tensor_changed_in_some_chunks_or_in_dtype_gets_the_statistics_of_its_bytes(
+        tmp_path: Path, how: str) -> None:
+    st = _big_state(22)
+    with ds.Store.open(tmp_path / "s", chunk_size=_CHUNK) as store:
+        def save() -> ds.Version:
+            return store.save(st) if how == "save" else store.save_async(st).result()
+
+        save()
+        st["emb"][0, 0] = float("nan")  # the first chunk: its summary is the merge's start
+        st["emb"][511, 1023] = 1e6  # and the last
+        st["proj"] = st["proj"].view(torch.int32)  # the same bytes as another dtype: summarized again
+        v2 = save()
+        rows = {r["key"]: r for r in store.manifest(v2.manifests["0"]).rows}
+        v3 = save()  # nothing changed: everything known
+    assert v3.manifests == v2.manifests
+    for k in ("emb", "proj"):
+        want = _stats_of(st[k], pieces=8)
+        for f in ("nan_count", "inf_count", "min", "max"):
+            assert rows[k][f] == want[f], (k, f)
+        for f in ("mean", "std", "l2"):
+            assert rows[k][f] == pytest.approx(want[f], rel=1e-6), (k, f)
+    assert rows["emb"]["nan_count"] == 1 and rows["emb"]["max"] == 1e6
+    with ds.Store.open(tmp_path / "fresh", chunk_size=_CHUNK) as fresh:  # saved the same way, knowing nothing
+        assert (fresh.save(st) if how == "save" else fresh.save_async(st).result()).manifests == v2.manifests
+
+
+def test_a_tensor_reused_unchanged_keeps_its_chunk_summaries_for_the_next_save(
+        tmp_path: Path, alone: list[torch.dtype]) -> None:
+    st = _big_state(23)
+    with ds.Store.open(tmp_path / "s", chunk_size=_CHUNK, reuse_unchanged=True) as store:
+        store.save(st)
+        kept = list(store._saver.memory.by_key["proj"].piece_stats or [])
+        store.save(st)  # every tensor reused: nothing read
+        assert store._saver.memory.by_key["proj"].piece_stats == kept
+    with ds.Store.open(tmp_path / "s", chunk_size=_CHUNK) as store:  # a new saver: it knows nothing yet
+        alone.clear()
+        store.save(st)
+        assert len(alone) == 8 + 8 + 1  # every chunk summarized

@@ -24,6 +24,8 @@ class Piece:
     row: int
     start: int
     length: int
+    index: int = 0
+    """The piece's chunk number within its row (its byte offset in the tensor / the chunk size)."""
 
 
 class InPlace:

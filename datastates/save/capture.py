@@ -328,7 +328,7 @@ def plan(entries: list[TensorEntry], chunk_size: int, slot_bytes: int, borrow: b
             # A slot per chunk: a slot is hashed by one worker, and a big tensor's chunks should spread
             # over all of them.
             for a, b in spans(nbytes, chunk_size):
-                steps.append(SlotPlan([Piece(row, a, b - a)], b - a, borrowed=src))
+                steps.append(SlotPlan([Piece(row, a, b - a, a // chunk_size)], b - a, borrowed=src))
             continue
         for a, b in ((0, nbytes),) if nbytes <= chunk_size else spans(nbytes, chunk_size):
             n = b - a
@@ -341,7 +341,7 @@ def plan(entries: list[TensorEntry], chunk_size: int, slot_bytes: int, borrow: b
                 batch.append((used, n, view))
             sources.append(view if n else None)
             host = host and not src.is_cuda
-            pieces.append(Piece(row, used, n))
+            pieces.append(Piece(row, used, n, a // chunk_size))
             used += -(-n // _ALIGN) * _ALIGN
     if pieces is not None:
         close()

@@ -92,13 +92,16 @@ class SaveHandle:
 
 
 class KnownStats:
-    """Row -> what a store last committed under the row's key, for a single-chunk tensor of the same dtype: its
-    chunk id, byte count and stats. A piece that holds the whole tensor and hashes to that id has those stats, so
-    they are not computed again. Made by `prepare` as three columns when the job's hashing starts (on the pipeline
-    thread, after the last commit's rows are in), so a worker looks a piece up with an index, and a save of 8,000
-    tensors makes three lists, not 8,000 tuples for the cyclic collector to walk."""
+    """Row -> what a store last committed under the row's key, for a tensor of the same dtype. For a single-chunk
+    tensor: its chunk id, byte count and stats; a piece that holds the whole tensor and hashes to that id has
+    those stats. For a tensor of several chunks: its chunk ids and each chunk's own summary (`pieces`); a piece
+    whose id is the one its row had at the same chunk number has that summary (the same bytes of the same dtype),
+    so a save that changed a few of a big state's tensors summarizes only their chunks. Made by `prepare` as
+    columns when the job's hashing starts (on the pipeline thread, after the last commit's rows are in), so a
+    worker looks a piece up with an index, and a save of 8,000 tensors makes a few lists, not 8,000 tuples for the
+    cyclic collector to walk."""
 
-    __slots__ = ("_job", "_memory", "cids", "nbytes", "stats", "stored")
+    __slots__ = ("_job", "_memory", "cids", "nbytes", "stats", "pieces", "stored")
 
     def __init__(self, job: SaveJob, memory: SaveMemory) -> None:
         # A weak reference: the job holds this, and a cycle would keep every finished job (its rows, chunk
@@ -107,6 +110,8 @@ class KnownStats:
         self.cids: list[bytes | None] = []
         self.nbytes: list[int] = []
         self.stats: list[dict[str, Any] | None] = []
+        self.pieces: list[tuple[list[bytes], list[Partial]] | None] = []
+        """Per row of several chunks: the chunk ids and per-chunk summaries last committed under its key."""
         self.stored = False
         """Whether every chunk id of `cids` is still indexed (the catalog's `chunk_drops` token read for this
         job is the one the memory was recorded under): the workers need not look them up."""
@@ -120,15 +125,22 @@ class KnownStats:
         by_key = self._memory.by_key
         cids: list[bytes | None] = []
         stats: list[dict[str, Any] | None] = []
+        pieces: list[tuple[list[bytes], list[Partial]] | None] = []
         for e in job.entries:
             last = by_key.get(e.key) if e.kind == "tensor" else None
-            if last is not None and len(last.chunks) == 1 and last.dtype == e.dtype:
+            if last is None or last.dtype != e.dtype:
+                cids.append(None)
+                stats.append(None)
+                pieces.append(None)
+            elif len(last.chunks) == 1:
                 cids.append(last.chunks[0])
                 stats.append(last.stats)
+                pieces.append(None)
             else:
                 cids.append(None)
                 stats.append(None)
-        self.cids, self.stats = cids, stats
+                pieces.append((last.chunks, last.piece_stats) if last.piece_stats is not None else None)
+        self.cids, self.stats, self.pieces = cids, stats, pieces
         self.nbytes = [e.nbytes for e in job.entries]
         self.stored = drops is not None and drops == self._memory.drops
 
@@ -158,6 +170,10 @@ class SaveJob:
     chunk_size: int
     slots: queue.Queue[Slot | None] = field(default_factory=queue.Queue)
     partials: dict[int, Partial] = field(default_factory=dict)
+    """Per row summarized piece by piece: the merge of its pieces' summaries so far (for a row of several chunks,
+    a copy of the first: never one of `piece_stats`)."""
+    piece_stats: dict[int, list[Partial]] = field(default_factory=dict)
+    """Per row of several chunks: each chunk's own summary, in chunk order (becomes `TensorEntry.piece_stats`)."""
     new_chunks: dict[bytes, ChunkLocation] = field(default_factory=dict)
     packs: list[PackWriter] = field(default_factory=list)
     bytes_new: int = 0

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -70,13 +71,15 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     else:
         cids = [chunk_id(arr[p.start:p.start + p.length].data) for p in slot.pieces]
     kinds = [entries[p.row].kind for p in slot.pieces]
-    found: list[dict[str, Any] | None] = [None] * len(cids)
+    found: list[Stats] = [None] * len(cids)
     if known is not None and known.cids:
-        known_cids, known_nbytes, known_stats = known.cids, known.nbytes, known.stats
+        known_cids, known_nbytes, known_stats, known_pieces = known.cids, known.nbytes, known.stats, known.pieces
         for i, (p, cid) in enumerate(zip(slot.pieces, cids)):
             row = p.row
             if known_cids[row] == cid and known_nbytes[row] == p.length:  # the whole tensor, as last committed
                 found[i] = known_stats[row]
+            elif (last := known_pieces[row]) is not None and p.index < len(last[0]) and last[0][p.index] == cid:
+                found[i] = last[1][p.index]  # a chunk of a big tensor, as last committed: its own summary
     # Ask the catalog here, beside the hashing, not on the writer's thread: a save of thousands of new chunks
     # then costs the writer no lookup at all (they were ~20 % of its time); with tiers it confirms only the
     # chunks found here, and pins their packs (`Pipeline.confirm_found`). Also, compress only what will be written.
@@ -109,7 +112,7 @@ def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
     return out
 
 
-def _slot_stats(slot: Slot, entries: list[TensorEntry], found: list[dict[str, Any] | None]) -> list[Stats]:
+def _slot_stats(slot: Slot, entries: list[TensorEntry], found: list[Stats]) -> list[Stats]:
     """The statistics of each piece of `slot`: known from an earlier save of the same bytes (`found`, per
     piece), or computed; pieces of one float dtype and one length (thousands of small tensors) are summarized
     together: in place when they lie back to back, gathered when others lie between them (known ones, or pieces of
@@ -289,8 +292,13 @@ class Pipeline:
         for w in job.packs:
             w.seal()
         job.timings["write_s"] = time.perf_counter() - t0
+        entries = job.entries
         for row, p in job.partials.items():
-            job.entries[row].stats = p.final()
+            entries[row].stats = p.final()
+        for row, kept in job.piece_stats.items():
+            e = entries[row]
+            if len(kept) == len(e.chunks):  # else a piece had no summary: nothing to reuse next time
+                e.piece_stats = kept
 
     def _prepare(self, job: SaveJob) -> None:
         """Under the job's guard (no gc runs until it ends): read the catalog's `chunk_drops` token, prepare
@@ -328,7 +336,14 @@ class Pipeline:
                     e.stats = st  # made for this piece, or an earlier save's: stats dicts are never changed
                 elif st is not None:
                     merged = job.partials.get(piece.row)
-                    if merged is None:
+                    if e.nbytes > job.chunk_size:
+                        # Kept as they are for the next save (`KnownStats.pieces`); the merge goes into a copy.
+                        job.piece_stats.setdefault(piece.row, []).append(st)
+                        if merged is None:
+                            job.partials[piece.row] = replace(st)
+                        else:
+                            merged.merge(st)
+                    elif merged is None:
                         job.partials[piece.row] = st  # made for this piece alone: no one else holds it
                     else:
                         merged.merge(st)

@@ -148,7 +148,7 @@ class Saver:
             return False  # something was pruned, collected or evicted since: copy everything
         job.reused, job.reused_under = wanted, drops
         for e, last in candidates:
-            e.chunks, e.stats, e.source = list(last.chunks), last.stats, None
+            e.chunks, e.stats, e.piece_stats, e.source = list(last.chunks), last.stats, last.piece_stats, None
         return True
 
     def _wait_before_step(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:

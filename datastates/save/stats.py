@@ -18,9 +18,10 @@ import torch
 _WIDE = {torch.int32, torch.int64, torch.uint32, torch.uint64, torch.float64}
 
 
-@dataclass
+@dataclass(slots=True)
 class Partial:
-    """Mergeable summary of some elements of one tensor."""
+    """Mergeable summary of some elements of one tensor. Slotted: a saver keeps one per chunk of each big tensor
+    it last committed (`TensorEntry.piece_stats`)."""
 
     n: int = 0
     mean: float = 0.0

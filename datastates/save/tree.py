@@ -67,6 +67,9 @@ class TensorEntry:
     stats: dict[str, float | int | None] = field(default_factory=dict)
     sig: tuple[object, ...] | None = None
     """For 'tensor' rows: (data_ptr, version counter, dtype, shape, stride, device) at capture."""
+    piece_stats: list[Any] | None = None
+    """For a 'tensor' row of several chunks, once saved: each chunk's own `stats.Partial`, in chunk order (never
+    changed once set), so that a later save finding a chunk unchanged need not summarize it again."""
 
 
 Rows = list[TensorEntry] | Callable[[], list[TensorEntry]]
