@@ -17,12 +17,15 @@ import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError, UnsupportedValueError
+
+if TYPE_CHECKING:
+    from .stats import Partial
 
 _DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -67,7 +70,7 @@ class TensorEntry:
     stats: dict[str, float | int | None] = field(default_factory=dict)
     sig: tuple[object, ...] | None = None
     """For 'tensor' rows: (data_ptr, version counter, dtype, shape, stride, device) at capture."""
-    piece_stats: list[Any] | None = None
+    piece_stats: list[Partial] | None = None
     """For a 'tensor' row of several chunks, once saved: each chunk's own `stats.Partial`, in chunk order (never
     changed once set), so that a later save finding a chunk unchanged need not summarize it again."""
 
