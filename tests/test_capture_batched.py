@@ -117,6 +117,40 @@ def test_sync_save_reads_big_tensors_in_place(tmp_path: Path) -> None:
         assert torch.equal(store.load(v3)["big1"], got["big1"])
 
 
+def test_borrowed_chunks_weigh_in_the_hashing_window_what_the_writer_is_expected_to_write() -> None:
+    from datastates.save.pipeline import _AHEAD_BYTES, window_weight
+
+    mib = 1 << 20
+    assert window_weight(16 * mib, False, 0, 0, 0.1) == 16 * mib  # pool memory: always its bytes
+    assert window_weight(16 * mib, True, 0, 0, 1.0) == 16 * mib  # the last save wrote everything
+    assert window_weight(16 * mib, True, 0, 0, 0.25) == 4 * mib  # the last save wrote a quarter
+    assert window_weight(16 * mib, True, 0, 0, 0.0) == mib  # never under 1/16
+    # once the window's worth went through the writer, this save's own fraction counts
+    assert window_weight(16 * mib, True, _AHEAD_BYTES, _AHEAD_BYTES // 2, 0.0) == 8 * mib
+    assert window_weight(16 * mib, True, _AHEAD_BYTES - 1, _AHEAD_BYTES - 1, 0.0) == mib
+
+
+def test_the_pipeline_keeps_the_fraction_of_bytes_each_sync_save_wrote(tmp_path: Path) -> None:
+    # `window_weight`'s guess for the next save: 1 of 8 equal borrowed tensors changed -> 1/8; the bytes are all
+    # there whatever the guess, including in a save that then changes everything.
+    g = torch.Generator().manual_seed(7)
+    st = {f"w{i}": torch.randn(1 << 18, generator=g) for i in range(8)}  # 8 x 1 MiB, read in place
+    with ds.Store.open(tmp_path / "s", chunk_size=256 << 10) as store:
+        pipeline = store.pipeline
+        store.save(st)
+        assert pipeline.written_fraction == 1.0
+        st["w3"].add_(1)
+        v2 = store.save(st)
+        assert v2.bytes_new == 1 << 20 and pipeline.written_fraction == 1 / 8
+        for t in st.values():
+            t.mul_(2)
+        v3 = store.save(st)
+        assert v3.bytes_new == 8 << 20 and pipeline.written_fraction == 1.0
+        assert store.save(st).bytes_new == 0 and pipeline.written_fraction == 0.0
+        got = store.load(v3)
+        assert all(torch.equal(got[k], t) for k, t in st.items())
+
+
 def test_save_pauses_the_garbage_collector_and_restores_it(tmp_path: Path) -> None:
     import gc
 

@@ -95,12 +95,12 @@ def test_the_workers_hash_ahead_while_the_writer_writes(tmp_path: Path, monkeypa
             two_ahead.set()
         return out
 
-    def write(self: Any, job: Any, slot: Any, fut: Any) -> None:
+    def write(self: Any, job: Any, slot: Any, fut: Any) -> int:
         if not release.is_set():
             fut.result()
             assert two_ahead.wait(WAIT), "the later slots were not hashed while the first was being written"
             release.set()
-        orig_write(self, job, slot, fut)
+        return orig_write(self, job, slot, fut)
 
     monkeypatch.setattr(pipeline, "_hash_slot", hash_slot)
     monkeypatch.setattr(pipeline.Pipeline, "_write", write)

@@ -43,6 +43,27 @@ _AHEAD_BYTES = 64 << 20
 while the writer writes in order; bytes, not slots, since one big slot may take as long as many small ones
 (one slot ahead ran a save at one hashing core's speed; docs/perf-notes.md "Hashing ahead")."""
 
+_LEAST_WEIGHT = 1 / 16
+"""The least a chunk borrowed from the caller's tensors weighs in the window, per byte (`window_weight`): at most
+16 x `_AHEAD_BYTES` of them (1 GiB) wait for the workers ahead of the writer."""
+
+
+def window_weight(used: int, borrowed: bool, seen: int, written: int, last_fraction: float) -> int:
+    """What a slot of `used` bytes counts against `_AHEAD_BYTES`.
+
+    A slot of pool memory counts its bytes: the window is what bounds the memory a capture holds ahead. A chunk
+    borrowed from the caller's tensor (a synchronous save) holds none: it counts what it is expected to cost the
+    writer, its bytes times the fraction of the bytes the writer has written so far (`written` of `seen`, once
+    `_AHEAD_BYTES` went through; before that, the fraction of the last job, `last_fraction`), and at least
+    `_LEAST_WEIGHT` of them. So a save that finds most chunks stored keeps the workers hashing while its writer
+    writes the changed ones (they waited on the writer: `transformer`'s partial save 0.232 -> 0.200 s), and a
+    save that writes everything keeps 64 MiB ahead (hashing further ahead slowed its writes; docs/perf-notes.md
+    "Hashing ahead by what the writer will write")."""
+    if not borrowed:
+        return used
+    fraction = written / seen if seen >= _AHEAD_BYTES else last_fraction
+    return int(used * max(fraction, _LEAST_WEIGHT))
+
 Stats = Partial | dict[str, Any] | None
 """A piece's statistics: a mergeable summary (Partial), final statistics (dict: a whole tensor summarized in a
 batched run, or known from an earlier save of the same bytes), or none."""
@@ -189,6 +210,9 @@ class Pipeline:
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datastates-hash",
                                            initializer=torch.set_num_threads, initargs=(1,))
         self._inflight = 0
+        self.written_fraction = 1.0
+        """Of the bytes of the last finished job's slots, the fraction its writer wrote (chunks not stored yet):
+        `window_weight`'s guess for the start of the next one."""
         self._cv = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="datastates-pipeline", daemon=True)
         self._thread.start()
@@ -260,33 +284,42 @@ class Pipeline:
                 self.pool.release(slot)
 
     def _process(self, job: SaveJob) -> None:
-        window: deque[tuple[Slot, Future[Hashed]]] = deque()
-        ahead = 0  # bytes of the slots in the window
+        window: deque[tuple[Slot, Future[Hashed], int]] = deque()
+        ahead = 0  # what the slots in the window weigh (`window_weight`)
+        seen = written = 0  # bytes of the slots through the writer, and of those, written
         job.go.wait()
         t0 = time.perf_counter()
         self._prepare(job)
         try:
             while (slot := job.slots.get()) is not None:
                 # The workers only ask whether compressing is worth it: no job, nothing pinned.
-                window.append((slot, self._workers.submit(_hash_slot, slot, job.entries, self.zstd_level,
-                                                          functools.partial(self._has_chunks, None),
-                                                          job.known_stats, bool(job.reused))))
-                ahead += slot.used
+                fut = self._workers.submit(_hash_slot, slot, job.entries, self.zstd_level,
+                                           functools.partial(self._has_chunks, None), job.known_stats,
+                                           bool(job.reused))
+                weight = window_weight(slot.used, slot.borrowed, seen, written, self.written_fraction)
+                window.append((slot, fut, weight))
+                ahead += weight
                 # Hash the next slots while writing this one, but never sit on slots waiting for more:
                 # the capture may need them back to go on (pool smaller than the state).
                 while window and (ahead > _AHEAD_BYTES or job.slots.empty()):
-                    ahead -= window[0][0].used
-                    self._write(job, *window.popleft())
+                    first, fut, weight = window.popleft()
+                    ahead -= weight
+                    seen += first.used
+                    written += self._write(job, first, fut)
             job.slots_done = True
             while window:
-                self._write(job, *window.popleft())
+                first, fut, _ = window.popleft()
+                seen += first.used
+                written += self._write(job, first, fut)
         finally:
-            for slot, fut in window:
+            for slot, fut, _ in window:
                 if not fut.cancel():
                     # Running: a worker may still copy into this slot (`Slot.fill`), and once released the slot may
                     # hold another save's bytes. Wait for it (at most one slot's hashing).
                     wait([fut])
                 self.pool.release(slot)
+        if seen:
+            self.written_fraction = written / seen
         if job.capture_error is not None:
             raise job.capture_error
         for w in job.packs:
@@ -316,7 +349,9 @@ class Pipeline:
                 f"{len(gone)} chunks this save reuses (first {gone[0].hex()[:12]}) were removed by a gc or repair "
                 "since the save was called; nothing was written: save again")
 
-    def _write(self, job: SaveJob, slot: Slot, fut: Future[Hashed]) -> None:
+    def _write(self, job: SaveJob, slot: Slot, fut: Future[Hashed]) -> int:
+        """Take `slot`'s hashing results into the job and write its new chunks; the bytes written (raw)."""
+        written = 0
         try:
             results = fut.result()
             # What the workers found stored, confirmed (and pinned) now when chunks may go meanwhile (see
@@ -354,6 +389,7 @@ class Pipeline:
                 if run and (packed is not None or piece.start != run[-1][0].start + run[-1][0].length):
                     self._write_run(job, arr, run)
                     pending.clear()
+                written += piece.length
                 if packed is not None:
                     loc = self._pack_for(job).add(cid, packed, piece.length, CODEC_ZSTD)
                     job.new_chunks[cid] = loc
@@ -364,6 +400,7 @@ class Pipeline:
             self._write_run(job, arr, run)
         finally:
             self.pool.release(slot)
+        return written
 
     def _pack_for(self, job: SaveJob) -> PackWriter:
         """The pack the job's next chunk goes to: its last one while under `pack_bytes`, else a new one."""
