@@ -71,8 +71,8 @@ def test_bench_shape_quick_runs(tmp_path: Path, shape: str, extra: list[str]) ->
     assert rep["config"]["shape"] == shape
     assert {"ds_save", "ds_load", "ds_load_one", "torch_save_fsync", "safetensors_load"} <= set(rep["methods"])
     assert set(rep["ratios"]) == {"torch_save_vs_ds", "blocking_vs_copy", "torch_load_vs_ds",
-                                  "safetensors_load_vs_ds", "partial_time", "partial_reuse_time", "partial_bytes",
-                                  "one_of_all"}
+                                  "safetensors_load_vs_ds", "partial_time", "partial_reuse_time",
+                                  "partial_bytes_changed", "one_of_all"}
     assert "ds_partial_reuse_save" in rep["methods"]
     assert all(r["pass"] in (True, False) for r in rep["ratios"].values())
     assert rep["full_save_new_chunks_min"] == 1.0
@@ -80,6 +80,8 @@ def test_bench_shape_quick_runs(tmp_path: Path, shape: str, extra: list[str]) ->
     for p in rep["partial"]:
         assert p["tensors_changed"] == max(1, round(n * 0.1))
         assert p["bytes_new"] < p["bytes_total"]
+        assert 0 < p["bytes_new"] <= p["bytes_changed"]
+    assert rep["ratios"]["partial_bytes_changed"]["value"] <= 1.0
     assert "--shape " + shape in rep["command"]
     spread = "--spread" in extra
     assert rep["config"]["spread"] is spread and ("--spread" in rep["command"]) is spread

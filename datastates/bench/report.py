@@ -21,9 +21,10 @@ from .peers import _mem_total
 
 
 def _ratio_value(t: Target, res: Results) -> tuple[float | None, str]:
-    if t.key == "partial_bytes":
+    if t.key in ("partial_bytes", "partial_bytes_changed"):
+        of = "bytes_total" if t.key == "partial_bytes" else "bytes_changed"
         parts = res.extra.get("partial") or []
-        vals = [p["bytes_new"] / p["bytes_total"] for p in parts if p["bytes_total"]]
+        vals = [p["bytes_new"] / p[of] for p in parts if p.get(of)]
         return (statistics.median(vals), "") if vals else (None, "not measured")
     if t.key == "train_lost_vs_dcp":
         lost = (res.extra.get("training") or {}).get("steps_lost", {})

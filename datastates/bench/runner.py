@@ -233,6 +233,7 @@ class _Bench:
         v = self.timed("ds_partial_save", size, self._pool(store), store.save, state, branch="main",
                        message="partial")
         self.partial.append({"bytes_new": v.bytes_new, "bytes_total": v.bytes_total,
+                             "bytes_changed": sum(state[k].numel() * state[k].element_size() for k in changed),
                              "tensors_changed": self.n_changed, "chunks_new": v.chunks_new})
         if self.reuse is not None:
             vr = self.timed("ds_partial_reuse_save", size, self._pool(self.reuse), self.reuse.save, state,
