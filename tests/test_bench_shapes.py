@@ -6,6 +6,7 @@ Byte counts and tensor counts are asserted, never timings.
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 
@@ -82,6 +83,8 @@ def test_bench_shape_quick_runs(tmp_path: Path, shape: str, extra: list[str]) ->
         assert p["bytes_new"] < p["bytes_total"]
         assert 0 < p["bytes_new"] <= p["bytes_changed"]
     assert rep["ratios"]["partial_bytes_changed"]["value"] <= 1.0
+    share = rep["info_ratios"]["changed_share"]["value"]
+    assert share == statistics.median(p["bytes_changed"] / p["bytes_total"] for p in rep["partial"]) > 0
     assert "--shape " + shape in rep["command"]
     spread = "--spread" in extra
     assert rep["config"]["spread"] is spread and ("--spread" in rep["command"]) is spread

@@ -60,6 +60,10 @@ def _report(cfg: Config, res: Results, fs: str, parent: Path, t_start: float) ->
     for key, label, num, den in INFO_RATIOS:
         a, b = res.median(num), res.median(den)
         info[key] = {"label": label, "value": a / b if a is not None and b else None}
+    parts = [p for p in res.extra.get("partial") or [] if p.get("bytes_changed") and p["bytes_total"]]
+    if parts:  # the bytes a partial save cannot help writing: its time's floor, as a share of a full save's
+        info["changed_share"] = {"label": "partial save: changed bytes / state bytes",
+                                 "value": statistics.median(p["bytes_changed"] / p["bytes_total"] for p in parts)}
     full = res.extra.get("full_saves") or []
     all_others = [x for v in res.others.values() for x in v]
     return {
