@@ -96,7 +96,7 @@ for v in sorted(forks_in_best, key=lambda v: v.step or 0):
 # %%
 first_parent_line = [best.head.id, *store.ancestors(best.head.id, first_parent=True)]
 ancestor = store.version(first_parent_line[-1])
-probe = nn.Linear(16, 1)
+probe = nn.Linear(16, 1, dtype=torch.float64)  # the toy trains in float64
 store.checkout(ancestor.id, model=probe)
 _, _, xv, yv = pbt_toy.make_data(0)
 with torch.no_grad():
