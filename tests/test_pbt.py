@@ -115,7 +115,6 @@ def test_the_docs_example_trains_a_population_in_seconds(tmp_path: Path) -> None
             assert math.isclose(ratio, 0.8) or math.isclose(ratio, 1.25)
 
 
-@pytest.mark.slow
 def test_the_docs_pbt_output_is_what_the_script_prints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """docs/pbt.md shows the example's output for its defaults (all but the `seconds` line) and shell
