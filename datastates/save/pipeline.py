@@ -56,7 +56,7 @@ def window_weight(used: int, borrowed: bool, seen: int, written: int, last_fract
     writer, its bytes times the fraction of the bytes the writer has written so far (`written` of `seen`, once
     `_AHEAD_BYTES` went through; before that, the fraction of the last job, `last_fraction`), and at least
     `_LEAST_WEIGHT` of them. So a save that finds most chunks stored keeps the workers hashing while its writer
-    writes the changed ones (they waited on the writer: `transformer`'s partial save 0.232 -> 0.200 s), and a
+    writes the changed ones (they waited on the writer: `transformer`'s partial save 0.233 -> 0.187 s), and a
     save that writes everything keeps 64 MiB ahead (hashing further ahead slowed its writes; docs/perf-notes.md
     "Hashing ahead by what the writer will write")."""
     if not borrowed:
@@ -302,15 +302,15 @@ class Pipeline:
                 # Hash the next slots while writing this one, but never sit on slots waiting for more:
                 # the capture may need them back to go on (pool smaller than the state).
                 while window and (ahead > _AHEAD_BYTES or job.slots.empty()):
-                    first, fut, weight = window.popleft()
-                    ahead -= weight
-                    seen += first.used
-                    written += self._write(job, first, fut)
+                    oldest, hashed, oldest_weight = window.popleft()
+                    ahead -= oldest_weight
+                    seen += oldest.used
+                    written += self._write(job, oldest, hashed)
             job.slots_done = True
             while window:
-                first, fut, _ = window.popleft()
-                seen += first.used
-                written += self._write(job, first, fut)
+                oldest, hashed, _ = window.popleft()
+                seen += oldest.used
+                written += self._write(job, oldest, hashed)
         finally:
             for slot, fut, _ in window:
                 if not fut.cancel():
