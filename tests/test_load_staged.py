@@ -57,18 +57,23 @@ def test_staged_rows_are_the_bytes_of_the_host_read(tmp_path: Path, stage: int) 
         assert _bytes(got[i]) == _bytes(want[i]), cols["key"][i]
 
 
+def _flip_a_byte(s: ds.Store, root: Path, cid: bytes) -> None:
+    """Flip one bit of the stored bytes of chunk `cid` in its pack under `root`."""
+    loc = s.repo.objects.index.chunks([cid])[0]
+    assert loc is not None
+    pack = next(p for p in root.rglob("*") if p.is_file() and p.name.startswith(loc.pack))
+    with open(pack, "r+b") as f:
+        f.seek(loc.offset + 5)
+        b = f.read(1)
+        f.seek(loc.offset + 5)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
 def test_a_flipped_byte_fails_the_staged_read(tmp_path: Path) -> None:
     with ds.Store.open(tmp_path / "s", chunk_size=32 * KiB) as s:
         v = s.save(_state())
         m, rows, cols = _rows(s, v)
-        loc = s.repo.objects.index.chunks([cols["chunks"][rows[0]][2]])[0]
-        assert loc is not None
-        pack = next(p for p in (tmp_path / "s").rglob("*") if p.is_file() and p.name.startswith(loc.pack))
-        with open(pack, "r+b") as f:
-            f.seek(loc.offset + 5)
-            b = f.read(1)
-            f.seek(loc.offset + 5)
-            f.write(bytes([b[0] ^ 0x01]))
+        _flip_a_byte(s, tmp_path / "s", cols["chunks"][rows[0]][2])
         with pytest.raises(IntegrityError):
             reader._read_rows_onto(s.repo, m, rows, None, cols, torch.device("cpu"), stage_bytes=64 * KiB)
 
@@ -112,3 +117,65 @@ def test_a_row_whose_bytes_do_not_fit_its_shape_is_refused_by_both_reads(tmp_pat
             with pytest.raises(IntegrityError, match=r"tensor 'odd' in manifest .*: 36880 bytes stored for dtype "
                                                      r"float32 shape \[9219\]; run `datastates fsck`"):
                 read()
+
+
+MiB = 1 << 20
+
+
+def _turns_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    state = {"big": torch.randn(6 * MiB, generator=g)}  # 24 MiB: split over several 10 MiB turns
+    state.update({f"mid{i}": torch.randn(3 * MiB // 4 + i, generator=g) for i in range(3)})
+    state.update({f"s{i:02d}": torch.randn(64 * KiB, generator=g) for i in range(40)})  # 256 KiB each
+    return state
+
+
+def test_the_next_turn_is_read_while_the_last_ones_checks_run_and_every_byte_arrives(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turns over 8 MiB go to the executor for their checks: the next turn's read starts before the previous
+    turn's checks are waited on (finish), and each turn is finished, in order, before its bytes are copied on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from datastates.objects.object_store import ObjectStore
+
+    events: list[str] = []
+    real = ObjectStore.start_read_many
+
+    def start(self: ObjectStore, items: Any, executor: Any = None) -> Any:
+        n = sum(1 for e in events if e.startswith("start"))
+        events.append(f"start{n}")
+        pending = real(self, items, executor)
+        finish = pending.finish
+
+        class Logged:
+            def finish(self) -> None:
+                finish()
+                events.append(f"finish{n}")
+
+        return Logged()
+
+    with ds.Store.open(tmp_path / "s", chunk_size=MiB) as s, ThreadPoolExecutor(2) as pool:
+        v = s.save(_turns_state())
+        m, rows, cols = _rows(s, v)
+        want = reader._read_rows(s.repo, m, rows, None, cols)
+        monkeypatch.setattr(ObjectStore, "start_read_many", start)
+        got = reader._read_rows_onto(s.repo, m, rows, pool, cols, torch.device("cpu"), stage_bytes=10 * MiB)
+    turns = sum(1 for e in events if e.startswith("start"))
+    assert turns == 5  # `big` in pieces of 10, 10 and 4 MiB, then 19 MiB of the rest in turns of at most 10 MiB
+    assert events == ["start0"] + [e for k in range(1, turns) for e in (f"start{k}", f"finish{k - 1}")] + [
+        f"finish{turns - 1}"]
+    assert sorted(got) == sorted(want) and len(rows) == 44
+    for i in rows:
+        assert _bytes(got[i]) == _bytes(want[i]), cols["key"][i]
+
+
+def test_a_flipped_byte_in_a_later_turn_fails_the_overlapped_read(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ds.Store.open(tmp_path / "s", chunk_size=MiB) as s, ThreadPoolExecutor(2) as pool:
+        v = s.save(_turns_state())
+        m, rows, cols = _rows(s, v)
+        i = cols["key"].index("mid2")  # in the fourth turn (10 MiB: checked on the executor), the fifth read after it
+        _flip_a_byte(s, tmp_path / "s", cols["chunks"][i][1])
+        with pytest.raises(IntegrityError, match="mid2"):
+            reader._read_rows_onto(s.repo, m, rows, pool, cols, torch.device("cpu"), stage_bytes=10 * MiB)

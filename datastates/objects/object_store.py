@@ -61,6 +61,27 @@ class ChunkIndex(Protocol):
     def has_chunks(self, cids: list[bytes]) -> list[bool]: ...
 
 
+
+class PendingRead:
+    """What `ObjectStore.start_read_many` left to do: the executor's checks of runs this thread has read, the
+    fallback of a run that failed them, and the copies of chunks named twice. Its arrays are complete and verified
+    once `finish` returns."""
+
+    __slots__ = ("_checks", "_slow", "_copies")
+
+    def __init__(self, checks: list[tuple[Any, Future[Any]]], slow: Any,
+                 copies: list[tuple[memoryview, memoryview]]) -> None:
+        self._checks, self._slow, self._copies = checks, slow, copies
+
+    def finish(self) -> None:
+        """Wait for the checks, read a failed run again chunk by chunk across tiers (fallback, repair,
+        promotion), then copy the chunks named twice. Raises IntegrityError, NotFoundError."""
+        for run, fut in self._checks:
+            if fut.result() is False:
+                self._slow(run)
+        for src, dst in self._copies:
+            dst[:] = src
+
 class ObjectStore:
     """Chunk reads across tiers with verification, fallback, repair and promotion; dedup; pins."""
 
@@ -256,7 +277,14 @@ class ObjectStore:
 
     def read_many_into(self, items: list[tuple[list[bytes], np.ndarray[Any, Any], str]],
                        executor: Executor | None = None) -> None:
-        """Fill each `(cids, arr, key)` as `read_chunks_into` would, for many tensors at once.
+        """Fill each `(cids, arr, key)` as `read_chunks_into` would, for many tensors at once: `start_read_many`
+        then its `finish`. Raises NotFoundError, IntegrityError."""
+        self.start_read_many(items, executor).finish()
+
+    def start_read_many(self, items: list[tuple[list[bytes], np.ndarray[Any, Any], str]],
+                        executor: Executor | None = None) -> PendingRead:
+        """Start filling each `(cids, arr, key)` as `read_chunks_into` would, for many tensors at once; the
+        arrays hold their verified bytes once the returned `PendingRead.finish()` has returned.
 
         One catalog lookup for every chunk. Uncompressed chunks stored back to back in one hot pack
         are read with one `preadv` per run (at most `_RUN_BUFFERS` chunks and `_RUN_BYTES` bytes),
@@ -266,7 +294,9 @@ class ObjectStore:
         chunk across tiers (fallback, repair, promotion), so the guarantees are those of
         `read_chunks_into`. A chunk named twice is read once and copied. With an `executor` and more
         than 8 MiB to read, this thread reads the runs on hot in order and the executor verifies them
-        (and reads compressed chunks and chunks found only on cold). Raises NotFoundError, IntegrityError.
+        (and reads compressed chunks and chunks found only on cold). This returns once this thread's reads are
+        done, so a caller can start the next batch's reads while the executor still verifies this one.
+        Raises NotFoundError (here), IntegrityError (here or from `finish`).
         """
         cids_all = [c for cids, _, _ in items for c in cids]
         locs = self.index.chunks(cids_all)
@@ -319,6 +349,7 @@ class ObjectStore:
             if not (run[0][1].codec == CODEC_RAW and self._read_views(run) and self._verified(run)):
                 slow(run)
 
+        checks: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]] = []
         if executor is None or sum(len(r[2]) for r in reads) <= 8 << 20:
             for run in runs:
                 read(run)
@@ -326,17 +357,12 @@ class ObjectStore:
             # One thread reads, in pack and offset order, and the workers verify what it has read: the disk
             # sees one sequential stream (two threads reading buffered runs at once made a cold 141 MiB load
             # ~30 % slower than one), and hashing overlaps the reads.
-            checks: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]] = []
             for run in runs:
                 if run[0][1].codec == CODEC_RAW and self._read_views(run):
                     checks.append((run, executor.submit(self._verified, run)))
                 else:  # compressed, or not on hot (cold reads, on a parallel file system, gain from company)
                     checks.append((run, executor.submit(slow, run)))
-            for run, fut in checks:
-                if fut.result() is False:
-                    slow(run)
-        for src, dst in copies:
-            dst[:] = src
+        return PendingRead(checks, slow, copies)
 
     def map_many(self, items: list[tuple[list[bytes], int, int]], executor: Executor | None = None
                  ) -> list[memoryview | None]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -24,6 +24,7 @@ from ..errors import (
     ShapeMismatchError,
 )
 from ..meta.versions import Version
+from ..objects.object_store import PendingRead
 from ..save.collective import matches
 from ..save.manifest import Manifest
 from ..save.tree import SKIP, Route, dtype_from_name, key_patterns, tensor_rows, unflatten
@@ -230,39 +231,66 @@ def _read_rows_onto(repo: Repository, m: Manifest, rows: list[int], executor: Ex
     size_of = min(stage_bytes, sum(len(d) for _, d, _ in segments))
     buffers: list[tuple[torch.Tensor, bool]] = []  # (buffer, pinned)
     done: list[Any] = [None, None]
-    spread: torch.Tensor | None = None  # on `dev`: a group's bytes, spread from there into their tensors
+    spread: list[torch.Tensor] = []  # on `dev`: a group's bytes, spread from there into their tensors
+
+    def spread_of() -> torch.Tensor:
+        if not spread:
+            spread.append(torch.empty(size_of, dtype=torch.uint8, device=dev))
+        return spread[0]
+    # A turn's bytes are read (this thread) while the executor still verifies the previous turn's; that turn is
+    # copied on once verified. Waiting for each turn's checks before reading on left this thread idle for the
+    # tail of every turn's hashing: on an H200, warm loads of `transformer` (1.1 GiB) went 0.304 -> 0.268 s and of
+    # `cnn` 0.048 -> 0.043 s (medians of 5, alternated); cold loads are the disk's either way.
+    pending: tuple[int, int, int, PendingRead] | None = None  # (turn, first segment, end, its read)
     turn, start = 0, 0
-    while start < len(segments):
-        end, size = start, 0
-        while end < len(segments) and size + len(segments[end][1]) <= size_of:
-            size += len(segments[end][1])
-            end += 1
-        if len(buffers) == turn:  # the second buffer only when there is a second turn
-            buffers.append(host_buffer(size_of, pin))
-        buf, pinned = buffers[turn]
-        if done[turn] is not None:
-            done[turn].synchronize()  # its last copy out has finished
-        arr = buf.numpy()
-        items, pos = [], 0
-        for cids, dest, key in segments[start:end]:
-            items.append((cids, arr[pos:pos + len(dest)], key))
-            pos += len(dest)
-        repo.objects.read_many_into(items, executor)
-        dests = [dest for _, dest, _ in segments[start:end]]
-        if len(dests) == 1:
-            dests[0].copy_(buf[:size], non_blocking=pinned)
-        else:
-            # Many tensors: one copy across, then one `_foreach_copy_` on the device into their storages (a copy
-            # per tensor cost more than the whole-host-load path's `.to()` with 8,000 small tensors).
-            if spread is None:
-                spread = torch.empty(size_of, dtype=torch.uint8, device=dev)
-            spread[:size].copy_(buf[:size], non_blocking=pinned)
-            torch._foreach_copy_(dests, list(spread[:size].split([len(d) for d in dests])))
-        if pinned:  # a copy from pageable memory has read it all when it returns
-            done[turn] = torch.cuda.Event()
-            done[turn].record(torch.cuda.current_stream(dev))
-        turn, start = 1 - turn, end
+    while start < len(segments) or pending is not None:
+        current = None
+        if start < len(segments):
+            end, size = start, 0
+            while end < len(segments) and size + len(segments[end][1]) <= size_of:
+                size += len(segments[end][1])
+                end += 1
+            if len(buffers) == turn:  # the second buffer only when there is a second turn
+                buffers.append(host_buffer(size_of, pin))
+            if done[turn] is not None:
+                done[turn].synchronize()  # its last copy out has finished
+            arr = buffers[turn][0].numpy()
+            items, pos = [], 0
+            for cids, dest, key in segments[start:end]:
+                items.append((cids, arr[pos:pos + len(dest)], key))
+                pos += len(dest)
+            current = (turn, start, end, repo.objects.start_read_many(items, executor))
+            turn, start = 1 - turn, end
+        if pending is not None:
+            done[pending[0]] = _copy_on(pending, segments, buffers, dev, spread_of)
+        pending = current
     return out
+
+
+def _copy_on(pending: tuple[int, int, int, PendingRead], segments: list[tuple[list[bytes], torch.Tensor, str]],
+             buffers: list[tuple[torch.Tensor, bool]], dev: torch.device,
+             spread_of: Callable[[], torch.Tensor]) -> Any:
+    """Finish a turn's read (its checks) and queue the copies of its bytes into their tensors on `dev`; return
+    the event after which its host buffer may be reused (None when the copy was synchronous).
+    Raises IntegrityError, NotFoundError as `PendingRead.finish`."""
+    turn, start, end, read = pending
+    read.finish()
+    buf, pinned = buffers[turn]
+    dests = [dest for _, dest, _ in segments[start:end]]
+    size = sum(len(d) for d in dests)
+    if len(dests) == 1:
+        dests[0].copy_(buf[:size], non_blocking=pinned)
+    else:
+        # Many tensors: one copy across, then one `_foreach_copy_` on the device into their storages (a copy
+        # per tensor cost more than the whole-host-load path's `.to()` with 8,000 small tensors).
+        spread = spread_of()
+        spread[:size].copy_(buf[:size], non_blocking=pinned)
+        torch._foreach_copy_(dests, list(spread[:size].split([len(d) for d in dests])))
+    if not pinned:  # a copy from pageable memory has read it all when it returns
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(dev))
+    return event
 
 
 def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
