@@ -109,3 +109,53 @@ def test_bench_shape_option_errors(tmp_path: Path, capsys: pytest.CaptureFixture
     assert main(["bench", "--scale", "0.5", "--store", str(tmp_path)]) == 2
     assert "--shape" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("device,says", [("nope", "is not a device: use cpu, cuda or cuda:N"),
+                                         ("meta", "the bench runs on cpu or cuda"),
+                                         ("cuda", "this machine has no CUDA device; leave --device out")])
+def test_a_device_the_bench_cannot_use_is_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], device: str, says: str) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert main(["bench", "--quick", "--shape", "cnn", "--device", device, "--skip", "dcp,train",
+                 "--dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert f"--device {device}" in err and says in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_device_cpu_is_the_default_and_adds_nothing_to_the_command() -> None:
+    import argparse
+
+    from datastates.bench import command_line, config_from_args
+
+    base = dict(size=None, tensors=None, shape="cnn", scale=None, repeats=None, unchanged=0.9, spread=False,
+                bench_dir=None, quick=True, json_out=None, skip="dcp,train", chunk_size=None, zstd=0,
+                reuse_unchanged=False, rss=False, window=None)
+    for device in (None, "cpu"):
+        cfg = config_from_args(argparse.Namespace(**base, device=device))
+        assert cfg.device == "cpu" and "--device" not in command_line(cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_with_the_state_on_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--device cuda`: every method loads onto the GPU and is checked equal there; the host-only groups must be
+    skipped by name, and the mapped loads (the same as the others onto a GPU) are left out."""
+    assert main(["bench", "--quick", "--shape", "cnn", "--scale", "0.01", "--device", "cuda",
+                 "--dir", str(tmp_path)]) == 2
+    assert "add --skip dcp,train" in capsys.readouterr().err
+    out, work = tmp_path / "bench.json", tmp_path / "work"
+    assert main(["bench", "--quick", "--shape", "cnn", "--scale", "0.01", "--device", "cuda", "--skip", "dcp,train",
+                 "--dir", str(work), "--json-out", str(out)]) == 0
+    assert list(work.iterdir()) == []
+    rep = json.loads(out.read_text())
+    assert rep["machine"]["device"].startswith("cuda (")
+    assert rep["command"].endswith("--device cuda")
+    assert {"plain_copy", "ds_save", "ds_async_blocking", "ds_partial_save", "ds_partial_reuse_save", "ds_load",
+            "ds_load_one", "torch_save_fsync", "torch_load", "safetensors_load"} <= set(rep["methods"])
+    assert not {"ds_load_mmap", "torch_load_mmap"} & set(rep["methods"])
+    assert rep["full_save_new_chunks_min"] == 1.0
+    for p in rep["partial"]:
+        assert 0 < p["bytes_new"] <= p["bytes_changed"] < p["bytes_total"]

@@ -103,6 +103,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--rss", action="store_true",
                    help="measure peak RSS instead of time: datastates save, save_async and load, torch.save and "
                         "torch.load, each in a fresh process, against issue 13's bounds (default 3 repeats)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="where the state lives: cpu (default) or cuda / cuda:N. Saves copy from it, loads go onto "
+                        "it (torch.load with map_location, safetensors with device), the plain copy is into "
+                        "pinned host buffers; the train and dcp groups run on the host only (--skip train,dcp)")
     p.add_argument("--window", type=float, default=None,
                    help="minimum seconds per training window (default: the slowest background save, >= 1 s); "
                         "a window always lasts until its save is complete")
@@ -131,6 +135,8 @@ class Config:
     shape: str | None = None
     scale: float = 1.0
     rss: bool = False
+    device: str = "cpu"
+    """Where the state lives and loads go: "cpu", "cuda" or "cuda:N"."""
 
 
 @dataclass
@@ -242,7 +248,37 @@ def command_line(cfg: Config) -> str:
         parts.append(f"--skip {','.join(sorted(cfg.skip))}")
     if cfg.window is not None:
         parts.append(f"--window {cfg.window:g}")
+    if cfg.device != "cpu":
+        parts.append(f"--device {cfg.device}")
     return " ".join(parts)
+
+
+def _device(text: str | None, skip: frozenset[str], rss: bool) -> str:
+    """The `--device` value, checked: "cpu" when not given. Raises ValueError naming what to change."""
+    import torch
+
+    if text is None:
+        return "cpu"
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise ValueError(f"--device {text} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type != "cuda":
+        raise ValueError(f"--device {text}: the bench runs on cpu or cuda (cuda:N)")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {text}: this machine has no CUDA device; leave --device out to bench on the host")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if rss:
+        raise ValueError("--rss measures host memory in fresh processes; run it without --device")
+    host_only = {"train", "dcp"} - skip
+    if host_only:
+        raise ValueError(f"--device {text}: the {' and '.join(sorted(host_only))} group(s) run on the host only; "
+                         f"add --skip {','.join(sorted(skip | {'train', 'dcp'}))}")
+    return str(dev)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -275,7 +311,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ValueError("--repeats must be at least 1")
     if shape is not None:
         scale = scale if scale is not None else (1 / 16 if quick else 1.0)
-    return Config(size=args.size or ((64 << 20) if quick else (1 << 30)),
+    device = _device(getattr(args, "device", None), skip, rss)
+    return Config(device=device, size=args.size or ((64 << 20) if quick else (1 << 30)),
                   tensors=args.tensors if args.tensors is not None else (0 if shape else 32), repeats=repeats,
                   shape=shape, scale=scale if scale is not None else 1.0, rss=rss,
                   unchanged=args.unchanged, spread=bool(getattr(args, "spread", False)),

@@ -211,12 +211,17 @@ _FEW_PAGES = 8 * _PAGE
 
 def _touch_pages(state: Any) -> None:
     """Read one byte per 4 KiB page of every tensor in `state` (a dict), and its last byte: lazy mmap loads
-    become resident. Part of every timed load, so it must cost little next to the loads it follows."""
+    become resident; wait for the GPU when a tensor is on one (its copies are then complete). Part of every
+    timed load, so it must cost little next to the loads it follows."""
     import torch
 
     byte_at = ctypes.string_at
+    on_gpu = False
     for t in state.values():
         if not isinstance(t, torch.Tensor) or not t.nbytes:
+            continue
+        if t.is_cuda:  # complete, not paged in: its copies may still be queued
+            on_gpu = True
             continue
         n = t.nbytes
         if n <= _FEW_PAGES and t.is_cpu and t.is_contiguous():
@@ -231,6 +236,8 @@ def _touch_pages(state: Any) -> None:
             flat = (t if t.is_contiguous() else t.contiguous()).reshape(-1).view(torch.uint8)
             flat[::_PAGE].sum()
             flat[-1:].sum()
+    if on_gpu:
+        torch.cuda.synchronize()
 
 
 def _load_and_touch(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:

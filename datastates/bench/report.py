@@ -72,7 +72,7 @@ def _report(cfg: Config, res: Results, fs: str, parent: Path, t_start: float) ->
         "duration_s": time.time() - t_start,
         "machine": {"cpus": os.cpu_count(), "mem_bytes": _mem_total(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__, "fs_type": fs,
-                    "dir": str(parent)},
+                    "dir": str(parent), "device": _device_name(cfg.device)},
         "config": {"size": cfg.size, "bytes": res.extra.get("bytes"), "tensors": res.extra.get("tensors"),
                    "shape": cfg.shape, "scale": cfg.scale, "dtypes": res.extra.get("dtypes"),
                    "repeats": cfg.repeats, "unchanged": cfg.unchanged, "spread": cfg.spread, "quick": cfg.quick,
@@ -92,6 +92,15 @@ def _report(cfg: Config, res: Results, fs: str, parent: Path, t_start: float) ->
     }
 
 
+def _device_name(device: str) -> str:
+    """`device`, with the GPU's name for a CUDA device ("cuda (NVIDIA H200)")."""
+    import torch
+
+    if device == "cpu":
+        return device
+    return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
@@ -104,7 +113,8 @@ def print_report(rep: dict[str, Any], out: TextIO) -> None:
     dtypes = ",".join(cfg.get("dtypes") or [])
     print(f"\ndatastates bench: {cfg['bytes'] / 2**20:.0f} MiB in {cfg['tensors']} tensors [{dtypes}], {kind}, "
           f"{cfg['repeats']} repeats, chunk {cfg['chunk_size'] or 'default'}, zstd {cfg['zstd']}, "
-          f"{rep['machine']['cpus']} CPUs, {rep['machine']['fs_type']}", file=out)
+          f"{rep['machine']['cpus']} CPUs, {rep['machine']['fs_type']}"
+          + (f", state on {dev}" if (dev := rep["machine"].get("device", "cpu")) != "cpu" else ""), file=out)
     print(f"\n{'method':<{w}} {'median s':>9} {'GB/s':>7} {'others':>6}  samples (s)", file=out)
     for key, m in rep["methods"].items():
         label = METHOD_LABELS[key].format(changed=f"{1 - cfg['unchanged']:.0%}")

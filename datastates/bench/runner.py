@@ -91,6 +91,12 @@ class _Bench:
         else:
             self.state = make_state(cfg.size, cfg.tensors, seed=0)
             self.state100 = make_state(cfg.size, 100, seed=1)
+        self.dev = torch.device(cfg.device)
+        self.cuda = self.dev.type == "cuda"
+        if self.cuda:
+            self.state = {k: v.to(self.dev) for k, v in self.state.items()}
+            if self.state100 is not None:
+                self.state100 = {k: v.to(self.dev) for k, v in self.state100.items()}
         self.size = _nbytes(self.state)
         self.size100 = _nbytes(self.state100) if self.state100 is not None else 0
         res.extra["bytes"] = self.size
@@ -103,7 +109,8 @@ class _Bench:
         self.n_changed = max(1, round(len(self.keys) * (1 - cfg.unchanged))) if cfg.unchanged < 1 else 0
         self.cpu = CpuMeter()
         self.warm = Warmup(self.state)
-        self.copy_bufs = {k: torch.empty_like(v) for k, v in self.state.items()}
+        # On a GPU the floor of a blocking save is a copy into reused pinned host buffers (what the pool holds).
+        self.copy_bufs = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=self.cuda) for k, v in self.state.items()}
         self.plain_copy()  # first use touches new pages: untimed
         self.full_saves: list[dict[str, float]] = []
         self.distinct_chunks: int | None = None
@@ -113,14 +120,24 @@ class _Bench:
     # timing ----------------------------------------------------------------------------------------------
     def plain_copy(self) -> None:
         for k, v in self.state.items():
-            self.copy_bufs[k].copy_(v)
+            self.copy_bufs[k].copy_(v, non_blocking=self.cuda)
+        self.sync()
+
+    def sync(self) -> None:
+        """Wait for the GPU's queued work (nothing on the host): a timed step ends when its copies have."""
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize(self.dev)
 
     def timed(self, key: str, nbytes: int, buffers: Sequence[Any], fn: Callable[..., Any], *args: Any,
               **kw: Any) -> Any:
         """Warm up (touching `buffers`), then time `fn(*args, **kw)` as one sample of `key`; return its result."""
         self.warm(buffers)
+        self.sync()
         snap = self.cpu.snap()
         out = fn(*args, **kw)
+        self.sync()
         self.res.add(key, time.perf_counter() - snap[0], nbytes, self.cpu.others(snap))
         return out
 
@@ -135,10 +152,12 @@ class _Bench:
         """Warm up, then time `start()` as `blocking_key` and through `wait(token)` as `end_key`; return the
         result of `wait`."""
         self.warm(buffers)
+        self.sync()
         snap = self.cpu.snap()
         token = start()
         t1 = time.perf_counter()
         out = wait(token)
+        self.sync()
         t2 = time.perf_counter()
         others = self.cpu.others(snap)
         self.res.add(blocking_key, t1 - snap[0], self.size, others)
@@ -208,7 +227,7 @@ class _Bench:
 
             ids = set()
             for t in self.state.values():
-                raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else None
+                raw = t.detach().cpu().reshape(-1).view(torch.uint8).numpy() if t.numel() else None
                 for a, b in spans(t.numel() * t.element_size(), store.chunk_size):
                     ids.add(blake3.blake3(raw[a:b].data if raw is not None else b"").digest())
             self.distinct_chunks = len(ids)
@@ -239,32 +258,34 @@ class _Bench:
             vr = self.timed("ds_partial_reuse_save", size, self._pool(self.reuse), self.reuse.save, state,
                             branch="main", message="partial")
             if r == 0:
-                _check_equal(self.reuse.load(vr), state, "datastates partial save with reuse_unchanged")
+                _check_equal(self.reuse.load(vr, device=self.dev), state,
+                             "datastates partial save with reuse_unchanged")
         # The latest version, what a restart loads: most of its chunks sit in earlier packs.
-        out = self.timed_load("ds_load", size, self.root / "ds", store.load, v)
+        out = self.timed_load("ds_load", size, self.root / "ds", store.load, v, device=self.dev)
         if r == 0:
             _check_equal(out, state, "datastates load")
         del out
-        # The opt-in that maps the packs, beside torch.load(mmap=True) and safetensors (which maps its file).
-        out = self.timed_load("ds_load_mmap", size, self.root / "ds", store.load, v, mmap=True)
-        if r == 0:
-            _check_equal(out, state, "datastates load(mmap=True)")
-        del out
+        if not self.cuda:  # (onto a GPU, mmap changes nothing: the bytes are read into pinned buffers either way)
+            # The opt-in that maps the packs, beside torch.load(mmap=True) and safetensors (which maps its file).
+            out = self.timed_load("ds_load_mmap", size, self.root / "ds", store.load, v, mmap=True)
+            if r == 0:
+                _check_equal(out, state, "datastates load(mmap=True)")
+            del out
         if self.cfg.shape:
             # One tensor of the whole state, a different one each repeat (what an analyst reads).
             one = self.keys[(r * 37 + len(self.keys) // 2) % len(self.keys)]
             got = self.timed_load("ds_load_one", state[one].numel() * state[one].element_size(), self.root / "ds",
-                                  store.load, v, keys=[one])
+                                  store.load, v, keys=[one], device=self.dev)
             if r == 0:
                 _check_equal(got, {one: state[one]}, "datastates load of one tensor")
 
     def load100(self, store: Store, v100: Version, r: int) -> None:
         """Cold full load of the 100-tensor state, then of one of its tensors (a different one each repeat)."""
         assert self.state100 is not None
-        self.timed_load("ds_load100_full", self.size100, self.root / "ds", store.load, v100)
+        self.timed_load("ds_load100_full", self.size100, self.root / "ds", store.load, v100, device=self.dev)
         one = list(self.state100)[(r * 37) % 100]
         out = self.timed_load("ds_load100_one", self.state100[one].numel() * 4, self.root / "ds", store.load, v100,
-                              keys=[one])
+                              keys=[one], device=self.dev)
         if r == 0:
             _check_equal(out, {one: self.state100[one]}, "datastates partial load")
 
@@ -274,11 +295,13 @@ class _Bench:
         path = self.root / "state.pt"
         _mutate(self.state)
         self.timed("torch_save_fsync", self.size, (), _torch_save, self.state, path)
-        out = self.timed_load("torch_load", self.size, path, torch.load, path, weights_only=True)
+        out = self.timed_load("torch_load", self.size, path, torch.load, path, weights_only=True,
+                              **({"map_location": self.dev} if self.cuda else {}))
         if r == 0:
             _check_equal(out, self.state, "torch.load")
         del out
-        self.timed_load("torch_load_mmap", self.size, path, torch.load, path, weights_only=True, mmap=True)
+        if not self.cuda:
+            self.timed_load("torch_load_mmap", self.size, path, torch.load, path, weights_only=True, mmap=True)
         _remove(path)
 
     def safetensors_save_load(self, r: int) -> None:
@@ -287,7 +310,7 @@ class _Bench:
         path = self.root / "state.safetensors"
         _mutate(self.state)
         self.timed("safetensors_save_fsync", self.size, (), _safetensors_save, self.state, path)
-        out = self.timed_load("safetensors_load", self.size, path, load_file, str(path))
+        out = self.timed_load("safetensors_load", self.size, path, load_file, str(path), device=str(self.dev))
         if r == 0:
             _check_equal(out, self.state, "safetensors load_file")
         del out
