@@ -18,6 +18,7 @@ import logging
 import mmap
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from typing import Any, Protocol
 
@@ -61,7 +62,6 @@ class ChunkIndex(Protocol):
     def has_chunks(self, cids: list[bytes]) -> list[bool]: ...
 
 
-
 class PendingRead:
     """What `ObjectStore.start_read_many` left to do: the executor's checks of runs this thread has read, the
     fallback of a run that failed them, and the copies of chunks named twice. Its arrays are complete and verified
@@ -69,7 +69,7 @@ class PendingRead:
 
     __slots__ = ("_checks", "_slow", "_copies")
 
-    def __init__(self, checks: list[tuple[Any, Future[Any]]], slow: Any,
+    def __init__(self, checks: list[tuple[Any, Future[Any]]], slow: Callable[[Any], None],
                  copies: list[tuple[memoryview, memoryview]]) -> None:
         self._checks, self._slow, self._copies = checks, slow, copies
 
@@ -81,6 +81,7 @@ class PendingRead:
                 self._slow(run)
         for src, dst in self._copies:
             dst[:] = src
+
 
 class ObjectStore:
     """Chunk reads across tiers with verification, fallback, repair and promotion; dedup; pins."""
