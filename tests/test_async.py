@@ -527,6 +527,7 @@ def test_overlapping_lazy_captures_complete(tmp_path: Path, pool_bytes: int) -> 
 @pytest.mark.parametrize("mode", [
     "close",
     "exit",
+    "lazy-exit",
 ])
 def test_a_save_in_flight_at_process_exit_is_committed(tmp_path: Path, mode: str) -> None:
     path = tmp_path / "store"
@@ -543,6 +544,27 @@ def test_a_save_in_flight_at_process_exit_is_committed(tmp_path: Path, mode: str
         _assert_bits(loaded, _snapshot(helper.make_state()))
         assert loaded["meta"] == {"epoch": 3, "name": "exit-test"}
         assert s.tier.leftovers() == []
+
+
+def test_lazy_saves_share_one_capture_thread_that_close_ends(tmp_path: Path) -> None:
+    state = _plain_state(17, 3, MiB // 2)
+    before = {t.ident for t in threading.enumerate()}
+
+    def capturers() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("datastates-capture") and t.ident not in before]
+
+    with Store.open(tmp_path / "store", chunk_size=CHUNK) as s:
+        s.save(state)
+        assert capturers() == []  # a store that never saves lazily never starts it
+        versions = []
+        for i in range(4):
+            state["t0"].add_(1.0)
+            versions.append(s.save_async(state, step=i, lazy=True).result(WAIT))
+        assert len(capturers()) == 1
+        assert [v.step for v in versions] == [0, 1, 2, 3]
+        assert [v.parents for v in versions[1:]] == [(v.id,) for v in versions[:-1]]
+        _assert_bits(s.load(versions[-1]), _snapshot(state))
+    assert capturers() == []
 
 
 def test_context_manager_exit_waits_for_saves_in_flight(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -47,6 +48,10 @@ class Saver:
                                  chunk_drops=chunk_drops)
         self.memory = SaveMemory()
         self._capture_order = CaptureOrder()
+        # One thread for every lazy save's capture, started on first use: captures run one at a time in
+        # submission order anyway (`CaptureOrder`), and starting a thread per save cost half of a lazy
+        # `save_async` of `cnn` (238 tensors: 4.2 -> 2.0 ms, alternated save by save).
+        self._capturer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="datastates-capture")
         self.copier = Copier()
         self.flattener = FlattenCache()
         self._cuda: CudaStaging | None = None
@@ -92,8 +97,7 @@ class Saver:
         if lazy:
             if optimizer is not None:
                 self._wait_before_step(optimizer, handle)
-            threading.Thread(target=self._capture_quietly, args=(job, cuda, plans), name="datastates-capture",
-                             daemon=True).start()
+            self._capturer.submit(self._capture_quietly, job, cuda, plans)
         else:
             # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
             # A sync save's copies race its hashing workers for the cores, and a faster capture only fills more of
@@ -104,8 +108,9 @@ class Saver:
         return handle
 
     def stop(self) -> None:
-        """Finish every job in flight, then end the pipeline's and the copier's threads."""
-        self.pipeline.stop()
+        """Finish every job in flight, then end the pipeline's, the capture's and the copier's threads."""
+        self.pipeline.stop()  # (a job's lazy capture runs on `_capturer` meanwhile: the job needs it to finish)
+        self._capturer.shutdown(wait=True)
         self.copier.stop()
 
     def remember(self, job: SaveJob) -> None:

@@ -3,8 +3,9 @@
     python async_exit.py STORE MODE
 
 MODE is one of
-  exit   save_async, then fall off the end of the script: only the store's atexit drain can finish the save;
-  close  save_async, then store.close() before exiting (the control case).
+  exit       save_async, then fall off the end of the script: only the store's atexit drain can finish the save;
+  lazy-exit  the same with save_async(lazy=True): the capture itself may still run on the capture thread;
+  close      save_async, then store.close() before exiting (the control case).
 
 The state is `make_state()`, a pure function the parent test rebuilds to compare bytes. Nothing about the
 version is printed: the parent finds it through the branch head.
@@ -34,10 +35,10 @@ def main(path: str, mode: str) -> None:
     from datastates.store import Store
 
     store = Store.open(path, chunk_size=CHUNK)
-    store.save_async(make_state(), step=STEP, message=f"async_exit {mode}")
+    store.save_async(make_state(), step=STEP, message=f"async_exit {mode}", lazy=mode == "lazy-exit")
     if mode == "close":
         store.close()
-    elif mode != "exit":
+    elif mode not in ("exit", "lazy-exit"):
         raise SystemExit(f"unknown mode {mode!r}")
     # "exit": no wait, no close; the interpreter shuts down right here.
 
