@@ -6,7 +6,7 @@ from __future__ import annotations
 import fnmatch
 import logging
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from concurrent.futures import Executor
 from typing import Any
 
@@ -231,12 +231,7 @@ def _read_rows_onto(repo: Repository, m: Manifest, rows: list[int], executor: Ex
     size_of = min(stage_bytes, sum(len(d) for _, d, _ in segments))
     buffers: list[tuple[torch.Tensor, bool]] = []  # (buffer, pinned)
     done: list[Any] = [None, None]
-    spread: list[torch.Tensor] = []  # on `dev`: a group's bytes, spread from there into their tensors
-
-    def spread_of() -> torch.Tensor:
-        if not spread:
-            spread.append(torch.empty(size_of, dtype=torch.uint8, device=dev))
-        return spread[0]
+    spread: torch.Tensor | None = None  # on `dev`: a group's bytes, spread from there into their tensors
     # A turn's bytes are read (this thread) while the executor still verifies the previous turn's; that turn is
     # copied on once verified. Waiting for each turn's checks before reading on left this thread idle for the
     # tail of every turn's hashing: on an H200, warm loads of `transformer` (1.1 GiB) went 0.304 -> 0.268 s and of
@@ -262,28 +257,28 @@ def _read_rows_onto(repo: Repository, m: Manifest, rows: list[int], executor: Ex
             current = (turn, start, end, repo.objects.start_read_many(items, executor))
             turn, start = 1 - turn, end
         if pending is not None:
-            done[pending[0]] = _copy_on(pending, segments, buffers, dev, spread_of)
+            was, first, last, read = pending
+            read.finish()  # its checks (raises IntegrityError, NotFoundError)
+            dests = [dest for _, dest, _ in segments[first:last]]
+            if len(dests) > 1 and spread is None:
+                spread = torch.empty(size_of, dtype=torch.uint8, device=dev)
+            done[was] = _copy_across(dests, *buffers[was], spread, dev)
         pending = current
     return out
 
 
-def _copy_on(pending: tuple[int, int, int, PendingRead], segments: list[tuple[list[bytes], torch.Tensor, str]],
-             buffers: list[tuple[torch.Tensor, bool]], dev: torch.device,
-             spread_of: Callable[[], torch.Tensor]) -> Any:
-    """Finish a turn's read (its checks) and queue the copies of its bytes into their tensors on `dev`; return
-    the event after which its host buffer may be reused (None when the copy was synchronous).
-    Raises IntegrityError, NotFoundError as `PendingRead.finish`."""
-    turn, start, end, read = pending
-    read.finish()
-    buf, pinned = buffers[turn]
-    dests = [dest for _, dest, _ in segments[start:end]]
+def _copy_across(dests: list[torch.Tensor], buf: torch.Tensor, pinned: bool, spread: torch.Tensor | None,
+                 dev: torch.device) -> Any:
+    """Queue the copies of `buf`'s first bytes into `dests` (byte views on `dev`, back to back in `buf`); return the
+    event after which `buf` may be reused, None when the copy was synchronous (pageable `buf`). `spread` (on
+    `dev`, at least as big) is needed when there are several `dests`."""
     size = sum(len(d) for d in dests)
     if len(dests) == 1:
         dests[0].copy_(buf[:size], non_blocking=pinned)
     else:
         # Many tensors: one copy across, then one `_foreach_copy_` on the device into their storages (a copy
         # per tensor cost more than the whole-host-load path's `.to()` with 8,000 small tensors).
-        spread = spread_of()
+        assert spread is not None
         spread[:size].copy_(buf[:size], non_blocking=pinned)
         torch._foreach_copy_(dests, list(spread[:size].split([len(d) for d in dests])))
     if not pinned:  # a copy from pageable memory has read it all when it returns
