@@ -218,41 +218,100 @@ def _big_state() -> dict[str, Any]:
     return st
 
 
-def test_a_big_load_reads_in_one_thread_in_offset_order_and_verifies_on_the_workers(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _recorded_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streams: int | None
+                   ) -> tuple[Any, Any, list[tuple[str, str, int, int]], list[str], set[bytes]]:
+    """Load `_big_state` (saved so that it spans two packs) with every `preadv` and chunk check recorded: what was
+    loaded and what it should be, (thread, pack file, offset, bytes) per read, the thread of each check, and the
+    chunk ids. With `streams`: every tensor row through `ObjectStore.read_many_into` with the store's reader
+    threads, against the same read on this thread alone (lists of byte arrays); else `load`, against the state."""
     import threading
 
     from datastates.objects import object_store
+    from datastates.save.tree import dtype_from_name
 
     st = _big_state()
-    reads: list[tuple[str, int, int]] = []
+    reads: list[tuple[str, str, int, int]] = []
     hashed: list[str] = []
     real_preadv, real_id = os.preadv, object_store.chunk_id
 
     def preadv(fd: int, bufs: Any, offset: int) -> int:
-        reads.append((threading.current_thread().name, fd, offset))
-        return real_preadv(fd, bufs, offset)
+        n = real_preadv(fd, bufs, offset)
+        reads.append((threading.current_thread().name, os.readlink(f"/proc/self/fd/{fd}"), offset, n))
+        return n
 
     def chunk_id(data: Any) -> bytes:
         hashed.append(threading.current_thread().name)
         return real_id(data)
 
+    def rows() -> list[tuple[list[bytes], Any, str]]:
+        return [(cols["chunks"][i], torch.empty(cols["shape"][i], dtype=dtype_from_name(cols["dtype"][i]))
+                 .reshape(-1).view(torch.uint8).numpy(), key)
+                for i, key in enumerate(cols["key"]) if cols["kind"][i] == "tensor"]
+
     with ds.Store.open(tmp_path / "s", chunk_size=256 << 10) as store:
         store.save({k: t for k, t in st.items() if not k.startswith("layer.1")})
         v = store.save(st)  # the layers saved before stay in the first pack
+        m = store.repo.manifest_of(v)
+        cols = m.load_columns()
+        if streams is not None:
+            want: Any = rows()
+            store.repo.objects.read_many_into(want, None)
         monkeypatch.setattr("os.preadv", preadv)
         monkeypatch.setattr(object_store, "chunk_id", chunk_id)
-        got = store.load(v)
-    _equal(got, st)
-    assert reads and {name for name, _, _ in reads} == {threading.current_thread().name}
-    fds = {fd for _, fd, _ in reads}
-    assert len(fds) >= 2  # two packs at least
-    for fd in fds:  # each pack read front to back
-        offsets = [off for _, f, off in reads if f == fd]
-        assert offsets == sorted(offsets)
-    cids = {c for r in ds.Store.open(tmp_path / "s").manifest(v.manifests["0"]).rows for c in r.get("chunks") or []}
+        if streams is None:
+            got: Any = store.load(v)
+            want = st
+        else:
+            got = rows()
+            store.repo.objects.read_many_into(got, store._readers, streams=streams)
+            got, want = [a.tobytes() for _, a, _ in got], [a.tobytes() for _, a, _ in want]
+    cids = {c for r in m.rows for c in r.get("chunks") or []}
+    return got, want, reads, hashed, cids
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names a read's file through /proc")
+def test_a_big_load_reads_in_two_streams_each_in_offset_order_and_verifies_on_the_workers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full load reads its runs in two streams: the calling thread the first half of the bytes in pack and
+    offset order, one reader thread the rest in the same order (each a sequential reader for the kernel's
+    readahead); the reader threads verify every chunk once."""
+    import threading
+
+    got, want, reads, hashed, cids = _recorded_load(tmp_path, monkeypatch, None)
+    _equal(got, want)
+    me = threading.current_thread().name
+    mine = [(pack, off) for name, pack, off, _ in reads if name == me]
+    theirs = [(pack, off) for name, pack, off, _ in reads if name != me]
+    assert mine and theirs  # two streams
+    assert all(name.startswith("datastates-read") for name, _, _, _ in reads if name != me)
+    assert mine == sorted(mine) and theirs == sorted(theirs)  # each front to back
+    assert max(mine) < min(theirs)  # the first half, then the second: not interleaved
+    assert len({pack for pack, _ in mine + theirs}) >= 2  # two packs at least
     assert len(hashed) == len(cids)  # every chunk verified once (same_a/same_b share one)
     assert all(name.startswith("datastates-read") for name in hashed)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="names a read's file through /proc")
+@pytest.mark.parametrize("streams", [1, 2])
+def test_read_many_into_reads_in_as_many_streams_as_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          streams: int) -> None:
+    """One stream (what the staged load onto an accelerator asks for): every read on the calling thread, front to
+    back; two: about half the bytes each (at most one run apart). The same bytes either way."""
+    import threading
+
+    got, want, reads, hashed, cids = _recorded_load(tmp_path, monkeypatch, streams)
+    assert len(got) == len(want) > 20 and got == want
+    me = threading.current_thread().name
+    by_thread: dict[str, int] = {}
+    for name, _, _, n in reads:
+        by_thread[name] = by_thread.get(name, 0) + n
+    mine = [(pack, off) for name, pack, off, _ in reads if name == me]
+    assert mine == sorted(mine)
+    assert len(by_thread) == streams and me in by_thread
+    if streams == 2:
+        ours = by_thread.pop(me)
+        assert abs(ours - sum(by_thread.values())) <= 8 << 20  # `_RUN_BYTES`: one run at most
+    assert len(hashed) == len(cids)
 
 
 @pytest.mark.parametrize("mmap", [False, True])

@@ -137,14 +137,15 @@ def _read_rows(repo: Repository, m: Manifest, rows: list[int], executor: Executo
                cols: dict[str, Any]) -> dict[int, torch.Tensor]:
     """Tensor rows `rows` of `m` (their fields in `cols`, `Manifest.load_columns`), read together: every tensor is
     allocated first, then the object store reads all their chunks at once (one catalog lookup, one `preadv` per
-    run of chunks stored back to back), straight into the tensors' storage, verified."""
+    run of chunks stored back to back, in two streams: `ObjectStore.start_read_many`), straight into the tensors'
+    storage, verified."""
     out: dict[int, torch.Tensor] = {}
     items = []
     keys, dtypes, shapes, nbytes, chunks = cols["key"], cols["dtype"], cols["shape"], cols["nbytes"], cols["chunks"]
     for i in rows:
         out[i], flat = _empty_row(m, keys[i], dtypes[i], shapes[i], nbytes[i])
         items.append((chunks[i], flat, keys[i]))
-    repo.objects.read_many_into(items, executor)
+    repo.objects.read_many_into(items, executor, streams=2)
     return out
 
 
