@@ -409,7 +409,7 @@ _EVERY_DTYPE = [torch.float32, torch.float16, torch.bfloat16, torch.float64, tor
 
 @pytest.mark.parametrize("dtype", _EVERY_DTYPE, ids=str)
 @pytest.mark.parametrize("shape", [(3, 5), (), (0, 4)], ids=str)
-def test_an_empty_row_is_a_tensor_whose_bytes_the_flat_array_views(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+def test_an_empty_row_is_a_tensor_whose_bytes_the_flat_view_views(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
     from types import SimpleNamespace
 
     from datastates.repo import reader
@@ -417,9 +417,10 @@ def test_an_empty_row_is_a_tensor_whose_bytes_the_flat_array_views(dtype: torch.
     n = torch.empty(shape, dtype=dtype).nbytes
     name, m = str(dtype).removeprefix("torch."), SimpleNamespace(id="ab" * 32)
     out, flat = reader._empty_row(m, "w", name, list(shape), n)  # type: ignore[arg-type]
-    assert out.dtype == dtype and tuple(out.shape) == shape and flat.dtype == "uint8" and flat.size == n
-    want = bytes(range(1, n + 1))  # numpy and torch path alike: writing the array writes the tensor
-    flat[:] = list(want)
+    assert out.dtype == dtype and tuple(out.shape) == shape and flat.format == "B" and flat.nbytes == n
+    assert not flat.readonly and flat.contiguous
+    want = bytes(range(1, n + 1))  # every dtype alike: writing the view writes the tensor
+    flat[:] = want
     assert out.reshape(-1).view(torch.uint8).numpy().tobytes() == want
     with pytest.raises(ds.IntegrityError, match="'w' in manifest abababababab: .* run `datastates fsck`"):
         reader._empty_row(m, "w", name, list(shape), n + 1)  # type: ignore[arg-type]

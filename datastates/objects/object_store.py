@@ -18,9 +18,9 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import blake3
 import numpy as np
@@ -60,6 +60,15 @@ class ChunkIndex(Protocol):
     def chunks(self, cids: list[bytes]) -> list[ChunkLocation | None]: ...
 
     def has_chunks(self, cids: list[bytes]) -> list[bool]: ...
+
+
+Dest: TypeAlias = np.ndarray[Any, Any] | memoryview
+"""Where a read puts a tensor's bytes: a flat uint8 numpy array or a writable byte memoryview
+(`base.memory.bytes_at`)."""
+
+
+def _flat(arr: Dest) -> memoryview:
+    return arr if isinstance(arr, memoryview) else arr.data
 
 
 def _halfway(runs: list[list[tuple[bytes, ChunkLocation, memoryview, str]]]) -> int:
@@ -273,27 +282,28 @@ class ObjectStore:
         self._read_chunk(cid, loc, memoryview(out), key)
         return bytes(out)
 
-    def read_chunks_into(self, cids: list[bytes], arr: np.ndarray[Any, Any], key: str) -> None:
-        """Fill `arr` (uint8, the chunks' total length) with the chunks in order, verified; chunks
+    def read_chunks_into(self, cids: list[bytes], arr: Dest, key: str) -> None:
+        """Fill `arr` (flat uint8, the chunks' total length) with the chunks in order, verified; chunks
         stored back to back in one hot pack are read in one call. Raises NotFoundError, IntegrityError."""
         locs = self.index.chunks(cids)
+        buf = _flat(arr)
         pos = 0
         for run in contiguous_runs(list(zip(cids, locs)), key):
             size = sum(loc.raw_length for _, loc in run)
-            if len(run) > 1 and self._read_run(run, arr[pos:pos + size].data):
+            if len(run) > 1 and self._read_run(run, buf[pos:pos + size]):
                 pos += size
                 continue
             for cid, loc in run:
-                self._read_chunk(cid, loc, arr[pos:pos + loc.raw_length].data, key)
+                self._read_chunk(cid, loc, buf[pos:pos + loc.raw_length], key)
                 pos += loc.raw_length
 
-    def read_many_into(self, items: list[tuple[list[bytes], np.ndarray[Any, Any], str]],
+    def read_many_into(self, items: Sequence[tuple[list[bytes], Dest, str]],
                        executor: Executor | None = None, *, streams: int = 1) -> None:
         """Fill each `(cids, arr, key)` as `read_chunks_into` would, for many tensors at once: `start_read_many`
         then its `finish` (`streams` as there). Raises NotFoundError, IntegrityError."""
         self.start_read_many(items, executor, streams=streams).finish()
 
-    def start_read_many(self, items: list[tuple[list[bytes], np.ndarray[Any, Any], str]],
+    def start_read_many(self, items: Sequence[tuple[list[bytes], Dest, str]],
                         executor: Executor | None = None, *, streams: int = 1) -> PendingRead:
         """Start filling each `(cids, arr, key)` as `read_chunks_into` would, for many tensors at once; the
         arrays hold their verified bytes once the returned `PendingRead.finish()` has returned.
@@ -319,6 +329,7 @@ class ObjectStore:
         i = 0
         for cids, arr, key in items:
             pos = 0
+            buf = _flat(arr)
             whole = len(cids) == 1  # one chunk, the whole array (a small tensor): no slice object to make
             for cid in cids:
                 loc = locs[i]
@@ -326,7 +337,7 @@ class ObjectStore:
                 if loc is None:
                     raise NotFoundError(f"chunk {cid.hex()[:16]} of tensor {key!r} is not in the catalog; "
                                         "run `datastates fsck`")
-                view = arr.data if whole and loc.raw_length == arr.size else arr[pos:pos + loc.raw_length].data
+                view = buf if whole and loc.raw_length == len(buf) else buf[pos:pos + loc.raw_length]
                 if len(view) != loc.raw_length:
                     raise IntegrityError(f"tensor {key!r}: its chunks hold more bytes than its shape and dtype; "
                                          "run `datastates fsck`")

@@ -10,11 +10,11 @@ from collections.abc import Iterable
 from concurrent.futures import Executor
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..base.collector import paused
 from ..base.comm import Comm
+from ..base.memory import bytes_at
 from ..errors import (
     DeviceError,
     IntegrityError,
@@ -301,12 +301,6 @@ def host_buffer(nbytes: int, pin: bool) -> tuple[torch.Tensor, bool]:
     return torch.empty(nbytes, dtype=torch.uint8), False
 
 
-_NUMPY = frozenset((torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128, torch.int8,
-                    torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool))
-"""Dtypes whose tensors `Tensor.numpy` views: their bytes are viewed through numpy, ~1 us less per tensor than
-torch's reshape and view (thousands of small tensors per load)."""
-
-
 def _size_mismatch(m: Manifest, key: str, dtype_name: str, shape: list[int], nbytes: int) -> IntegrityError:
     """The error for a row whose byte count does not fit its dtype and shape."""
     return IntegrityError(f"tensor {key!r} in manifest {m.id[:12]}: {nbytes} bytes stored for "
@@ -314,20 +308,15 @@ def _size_mismatch(m: Manifest, key: str, dtype_name: str, shape: list[int], nby
 
 
 def _empty_row(m: Manifest, key: str, dtype_name: str, shape: list[int], nbytes: int
-               ) -> tuple[torch.Tensor, np.ndarray[Any, Any]]:
-    """An uninitialised tensor for the row `key` of `m` and a flat uint8 array viewing its bytes.
-    Raises IntegrityError when the row's byte count does not fit its dtype and shape."""
-    dtype = dtype_from_name(dtype_name)
-    out = torch.empty(shape, dtype=dtype)
-    if not out.numel():
-        flat = np.empty(0, dtype=np.uint8)
-    elif dtype in _NUMPY:
-        flat = out.numpy().reshape(-1).view(np.uint8)
-    else:
-        flat = out.reshape(-1).view(torch.uint8).numpy()
-    if flat.size != nbytes:
+               ) -> tuple[torch.Tensor, memoryview]:
+    """An uninitialised tensor for the row `key` of `m` and a flat byte view of its storage (valid while the
+    tensor lives). Raises IntegrityError when the row's byte count does not fit its dtype and shape."""
+    out = torch.empty(shape, dtype=dtype_from_name(dtype_name))
+    n = out.numel() * out.element_size()
+    if n != nbytes:
         raise _size_mismatch(m, key, dtype_name, shape, nbytes)
-    return out, flat
+    # From the address, not through numpy (`bytes_at`): a third of this function's time per small tensor.
+    return out, bytes_at(out.data_ptr(), n) if n else memoryview(bytearray())
 
 
 def read_row(repo: Repository, m: Manifest, i: int) -> torch.Tensor:

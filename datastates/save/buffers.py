@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from ..base.memory import bytes_at
+
 _ALIGN = 64  # slot offsets stay aligned so a piece can be viewed as any dtype
 
 
@@ -58,8 +60,7 @@ class InPlace:
         """Per piece, its bytes as a read-only memoryview, for hashing (made on first use, off the caller's
         thread)."""
         if self._views is None:
-            self._views = [memoryview(b"") if s is None else
-                           memoryview((ctypes.c_char * s.numel()).from_address(a)).cast("B").toreadonly()
+            self._views = [memoryview(b"") if s is None else bytes_at(a, s.numel()).toreadonly()
                            for s, a in zip(self.sources, self.addresses())]
         return self._views
 
