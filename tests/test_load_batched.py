@@ -314,6 +314,57 @@ def test_read_many_into_reads_in_as_many_streams_as_asked(tmp_path: Path, monkey
     assert len(hashed) == len(cids)
 
 
+def test_a_failed_big_load_raises_only_once_no_check_reads_its_tensors(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's byte views do not keep its tensors alive (`base.memory.bytes_at`), so when a chunk fails its check
+    the load raises only once every other check has ended: the last run's check is held until the first run's
+    chunk has failed its read, and is done when the IntegrityError arrives."""
+    import threading
+
+    from datastates.objects.object_store import ObjectStore
+
+    with ds.Store.open(tmp_path / "s", chunk_size=256 << 10) as store:
+        st = _big_state()
+        store.save({k: t for k, t in st.items() if not k.startswith("layer.1")})
+        v = store.save(st)
+        cids = [c for r in store.manifest(v.manifests["0"]).rows for c in r.get("chunks") or []]
+        locs = store.repo.objects.index.chunks(cids)
+        order = sorted((loc.pack, loc.offset, cid) for cid, loc in zip(cids, locs) if loc is not None)
+        first, last = order[0], order[-1]
+        pack = next((tmp_path / "s").rglob(f"{first[0]}.pack"))
+        data = bytearray(pack.read_bytes())
+        data[first[1] + 5] ^= 0x01
+        pack.write_bytes(bytes(data))
+        failed = threading.Event()
+        pending: list[Any] = []
+        real_verified, real_read, real_start = ObjectStore._verified, ObjectStore._read_chunk, ObjectStore.start_read_many
+
+        def verified(self: ObjectStore, run: Any) -> bool:
+            if any(cid == last[2] for cid, _, _, _ in run):
+                assert failed.wait(60)  # (a guard against a hang, not a timing)
+            return real_verified(self, run)
+
+        def read_chunk(self: ObjectStore, *a: Any, **k: Any) -> Any:
+            try:
+                return real_read(self, *a, **k)
+            except ds.IntegrityError:
+                failed.set()
+                raise
+
+        def start(self: ObjectStore, *a: Any, **k: Any) -> Any:
+            pending.append(real_start(self, *a, **k))
+            return pending[-1]
+
+        monkeypatch.setattr(ObjectStore, "_verified", verified)
+        monkeypatch.setattr(ObjectStore, "_read_chunk", read_chunk)
+        monkeypatch.setattr(ObjectStore, "start_read_many", start)
+        with pytest.raises(ds.IntegrityError):
+            store.load(v)
+        assert failed.is_set() and len(pending) == 1
+        checks = pending[0]._checks
+        assert len(checks) >= 2 and all(fut.done() for _, fut in checks)
+
+
 @pytest.mark.parametrize("mmap", [False, True])
 @pytest.mark.parametrize("tiers", ["hot-only", "with-cold"])
 def test_a_flipped_byte_in_a_big_load_is_named_or_repaired(tmp_path: Path, tiers: str, mmap: bool) -> None:

@@ -19,7 +19,7 @@ import mmap
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future
+from concurrent.futures import Executor, Future, wait
 from typing import Any, Protocol, TypeAlias
 
 import blake3
@@ -95,12 +95,17 @@ class PendingRead:
 
     def finish(self) -> None:
         """Wait for the checks, read a failed run again chunk by chunk across tiers (fallback, repair,
-        promotion), then copy the chunks named twice. Raises IntegrityError, NotFoundError."""
-        for run, fut in self._checks:
-            if fut.result() is False:
-                self._slow(run)
-        for src, dst in self._copies:
-            dst[:] = src
+        promotion), then copy the chunks named twice. Raises IntegrityError, NotFoundError, only once no check
+        reads the arrays any more (their owners may be freed as soon as this raises)."""
+        try:
+            for run, fut in self._checks:
+                if fut.result() is False:
+                    self._slow(run)
+            for src, dst in self._copies:
+                dst[:] = src
+        except BaseException:
+            wait([fut for _, fut in self._checks])
+            raise
 
 
 class ObjectStore:
@@ -380,15 +385,13 @@ class ObjectStore:
             return PendingRead(checks, slow, copies)
         pool = executor
 
-        def read_in_order(part: list[list[tuple[bytes, ChunkLocation, memoryview, str]]]
-                          ) -> list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]]:
-            out: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]] = []
+        def read_in_order(part: list[list[tuple[bytes, ChunkLocation, memoryview, str]]],
+                          out: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]]) -> None:
             for run in part:
                 if run[0][1].codec == CODEC_RAW and self._read_views(run):
                     out.append((run, pool.submit(self._verified, run)))
                 else:  # compressed, or not on hot (cold reads, on a parallel file system, gain from company)
                     out.append((run, pool.submit(slow, run)))
-            return out
 
         # Each stream reads its runs in pack and offset order, and the workers verify what it has read, so
         # hashing overlaps the reads. Two streams each read a contiguous half, so the kernel's readahead sees two
@@ -396,11 +399,20 @@ class ObjectStore:
         # 0.114 s against 0.087 on one thread). Cold loads of `transformer` (1.1 GiB) on the dev VM: 0.69 s against
         # 0.89 with one stream (medians of 16, alternated; docs/perf-notes.md "Two read streams").
         cut = _halfway(runs) if streams > 1 else len(runs)
-        other = pool.submit(read_in_order, runs[cut:]) if cut < len(runs) else None
-        checks = read_in_order(runs[:cut])
-        if other is not None:
-            checks += other.result()
-        return PendingRead(checks, slow, copies)
+        theirs: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]] = []
+        other = pool.submit(read_in_order, runs[cut:], theirs) if cut < len(runs) else None
+        try:
+            read_in_order(runs[:cut], checks)
+            if other is not None:
+                other.result()
+        except BaseException:
+            # The arrays' owners may be freed as soon as this raises: the other stream's reads and every check
+            # already submitted end first.
+            if other is not None:
+                wait([other])
+            wait([fut for _, fut in checks + theirs])
+            raise
+        return PendingRead(checks + theirs, slow, copies)
 
     def map_many(self, items: list[tuple[list[bytes], int, int]], executor: Executor | None = None
                  ) -> list[memoryview | None]:
