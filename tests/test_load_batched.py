@@ -337,7 +337,8 @@ def test_a_failed_big_load_raises_only_once_no_check_reads_its_tensors(tmp_path:
         pack.write_bytes(bytes(data))
         failed = threading.Event()
         pending: list[Any] = []
-        real_verified, real_read, real_start = ObjectStore._verified, ObjectStore._read_chunk, ObjectStore.start_read_many
+        real_verified, real_read = ObjectStore._verified, ObjectStore._read_chunk
+        real_start = ObjectStore.start_read_many
 
         def verified(self: ObjectStore, run: Any) -> bool:
             if any(cid == last[2] for cid, _, _, _ in run):
