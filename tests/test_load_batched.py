@@ -218,6 +218,12 @@ def _big_state() -> dict[str, Any]:
     return st
 
 
+def _saved_in_two_packs(store: ds.Store, st: dict[str, Any]) -> ds.Version:
+    """`st` (a `_big_state`) saved so that its chunks span two packs: the layers saved first stay in the first."""
+    store.save({k: t for k, t in st.items() if not k.startswith("layer.1")})
+    return store.save(st)
+
+
 def _recorded_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streams: int | None
                    ) -> tuple[Any, Any, list[tuple[str, str, int, int]], list[str], set[bytes]]:
     """Load `_big_state` (saved so that it spans two packs) with every `preadv` and chunk check recorded: what was
@@ -249,8 +255,7 @@ def _recorded_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, streams: int
                 for i, key in enumerate(cols["key"]) if cols["kind"][i] == "tensor"]
 
     with ds.Store.open(tmp_path / "s", chunk_size=256 << 10) as store:
-        store.save({k: t for k, t in st.items() if not k.startswith("layer.1")})
-        v = store.save(st)  # the layers saved before stay in the first pack
+        v = _saved_in_two_packs(store, st)
         m = store.repo.manifest_of(v)
         cols = m.load_columns()
         if streams is not None:
@@ -324,9 +329,7 @@ def test_a_failed_big_load_raises_only_once_no_check_reads_its_tensors(tmp_path:
     from datastates.objects.object_store import ObjectStore
 
     with ds.Store.open(tmp_path / "s", chunk_size=256 << 10) as store:
-        st = _big_state()
-        store.save({k: t for k, t in st.items() if not k.startswith("layer.1")})
-        v = store.save(st)
+        v = _saved_in_two_packs(store, _big_state())
         cids = [c for r in store.manifest(v.manifests["0"]).rows for c in r.get("chunks") or []]
         locs = store.repo.objects.index.chunks(cids)
         order = sorted((loc.pack, loc.offset, cid) for cid, loc in zip(cids, locs) if loc is not None)

@@ -71,7 +71,13 @@ def _flat(arr: Dest) -> memoryview:
     return arr if isinstance(arr, memoryview) else arr.data
 
 
-def _halfway(runs: list[list[tuple[bytes, ChunkLocation, memoryview, str]]]) -> int:
+_Run: TypeAlias = list[tuple[bytes, ChunkLocation, memoryview, str]]
+"""Chunks read together: (id, location, the view their bytes go to, the tensor's key) each."""
+_Check: TypeAlias = tuple[_Run, Future[Any]]
+"""A run read by a stream, and its check on the executor."""
+
+
+def _halfway(runs: list[_Run]) -> int:
     """The index of the first run past half of the runs' bytes: where a second read stream starts."""
     total = sum(len(r[2]) for run in runs for r in run)
     done = 0
@@ -89,7 +95,7 @@ class PendingRead:
 
     __slots__ = ("_checks", "_slow", "_copies")
 
-    def __init__(self, checks: list[tuple[Any, Future[Any]]], slow: Callable[[Any], None],
+    def __init__(self, checks: list[_Check], slow: Callable[[_Run], None],
                  copies: list[tuple[memoryview, memoryview]]) -> None:
         self._checks, self._slow, self._copies = checks, slow, copies
 
@@ -330,7 +336,7 @@ class ObjectStore:
         locs = self.index.chunks(cids_all)
         first: dict[bytes, memoryview] = {}
         copies: list[tuple[memoryview, memoryview]] = []
-        reads: list[tuple[bytes, ChunkLocation, memoryview, str]] = []
+        reads: _Run = []
         i = 0
         for cids, arr, key in items:
             pos = 0
@@ -353,7 +359,7 @@ class ObjectStore:
                 first[cid] = view
                 reads.append((cid, loc, view, key))
         raw = sorted((r for r in reads if r[1].codec == CODEC_RAW), key=lambda r: (r[1].pack, r[1].offset))
-        runs: list[list[tuple[bytes, ChunkLocation, memoryview, str]]] = []
+        runs: list[_Run] = []
         run_start = run_buffers = 0
         for r in raw:
             prev = runs[-1][-1][1] if runs else None
@@ -370,23 +376,22 @@ class ObjectStore:
             run_start, run_buffers = loc.offset, 1
         runs += [[r] for r in reads if r[1].codec != CODEC_RAW]
 
-        def slow(run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> None:
+        def slow(run: _Run) -> None:
             for cid, loc, view, key in run:
                 self._read_chunk(cid, loc, view, key)
 
-        def read(run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> None:
+        def read(run: _Run) -> None:
             if not (run[0][1].codec == CODEC_RAW and self._read_views(run) and self._verified(run)):
                 slow(run)
 
-        checks: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]] = []
+        checks: list[_Check] = []
         if executor is None or sum(len(r[2]) for r in reads) <= 8 << 20:
             for run in runs:
                 read(run)
             return PendingRead(checks, slow, copies)
         pool = executor
 
-        def read_in_order(part: list[list[tuple[bytes, ChunkLocation, memoryview, str]]],
-                          out: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]]) -> None:
+        def read_in_order(part: list[_Run], out: list[_Check]) -> None:
             for run in part:
                 if run[0][1].codec == CODEC_RAW and self._read_views(run):
                     out.append((run, pool.submit(self._verified, run)))
@@ -397,9 +402,9 @@ class ObjectStore:
         # hashing overlaps the reads. Two streams each read a contiguous half, so the kernel's readahead sees two
         # sequential readers (two threads reading alternate 8 MiB pieces defeated it: a cold 141 MiB file took
         # 0.114 s against 0.087 on one thread). Cold loads of `transformer` (1.1 GiB) on the dev VM: 0.69 s against
-        # 0.89 with one stream (medians of 16, alternated; docs/perf-notes.md "Two read streams").
+        # 0.89 with one stream (medians of 16, alternated; docs/perf-notes.md "Two read streams for a full load").
         cut = _halfway(runs) if streams > 1 else len(runs)
-        theirs: list[tuple[list[tuple[bytes, ChunkLocation, memoryview, str]], Future[Any]]] = []
+        theirs: list[_Check] = []
         other = pool.submit(read_in_order, runs[cut:], theirs) if cut < len(runs) else None
         try:
             read_in_order(runs[:cut], checks)
@@ -445,7 +450,7 @@ class ObjectStore:
                 _will_need(mapping, sorted((s[1], s[1] + n) for s, (_, n, _) in zip(spans, items)
                                            if s is not None and s[0] == pack))
         out: list[memoryview | None] = []
-        checks: list[tuple[int, list[tuple[bytes, ChunkLocation, memoryview, str]]]] = []  # item, its chunks' run
+        checks: list[tuple[int, _Run]] = []  # item, its chunks' run
         i = 0
         for k, (span, (cids, nbytes, _)) in enumerate(zip(spans, items)):
             item_locs = locs[i:i + len(cids)]
@@ -463,7 +468,7 @@ class ObjectStore:
             checks.append((k, run))
         # The read path's check (`_verified`: each chunk's id, unless verification is off), in ~8 MiB tasks so the
         # executor's threads share a big state.
-        batches: list[list[tuple[int, list[tuple[bytes, ChunkLocation, memoryview, str]]]]] = [[]]
+        batches: list[list[tuple[int, _Run]]] = [[]]
         size = 0
         for c in checks:
             if size >= _RUN_BYTES:
@@ -472,7 +477,7 @@ class ObjectStore:
             batches[-1].append(c)
             size += sum(loc.length for _, loc, _, _ in c[1])
 
-        def bad(batch: list[tuple[int, list[tuple[bytes, ChunkLocation, memoryview, str]]]]) -> list[int]:
+        def bad(batch: list[tuple[int, _Run]]) -> list[int]:
             return [k for k, run in batch if not self._verified(run)]
 
         if executor is None or len(batches) == 1:
@@ -483,7 +488,7 @@ class ObjectStore:
             out[k] = None
         return out
 
-    def _read_views(self, run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> bool:
+    def _read_views(self, run: _Run) -> bool:
         """One `preadv` of raw chunks of one hot pack, in offset order, into their views, the bytes of the gaps
         between them (at most `_GAP_BYTES` each) into one scratch buffer shared by every gap; False (nothing
         trusted) if it fails."""
@@ -504,7 +509,7 @@ class ObjectStore:
             return False
         return True
 
-    def _verified(self, run: list[tuple[bytes, ChunkLocation, memoryview, str]]) -> bool:
+    def _verified(self, run: _Run) -> bool:
         """Whether every chunk of a run read by `_read_views` has its id (always, with verification off)."""
         if self.verify:
             for cid, _, view, _ in run:
