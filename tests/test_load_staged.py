@@ -139,12 +139,14 @@ def test_the_next_turn_is_read_while_the_last_ones_checks_run_and_every_byte_arr
     from datastates.objects.object_store import ObjectStore
 
     events: list[str] = []
+    asked: list[int] = []  # per turn, the read streams it asked for
     real = ObjectStore.start_read_many
 
-    def start(self: ObjectStore, items: Any, executor: Any = None) -> Any:
+    def start(self: ObjectStore, items: Any, executor: Any = None, *, streams: int = 1) -> Any:
         n = sum(1 for e in events if e.startswith("start"))
         events.append(f"start{n}")
-        pending = real(self, items, executor)
+        asked.append(streams)
+        pending = real(self, items, executor, streams=streams)
         finish = pending.finish
 
         class Logged:
@@ -162,6 +164,7 @@ def test_the_next_turn_is_read_while_the_last_ones_checks_run_and_every_byte_arr
         got = reader._read_rows_onto(s.repo, m, rows, pool, cols, torch.device("cpu"), stage_bytes=10 * MiB)
     turns = sum(1 for e in events if e.startswith("start"))
     assert turns == 5  # `big` in pieces of 10, 10 and 4 MiB, then 19 MiB of the rest in turns of at most 10 MiB
+    assert asked == [2] * turns  # each turn in two read streams, as a load onto the host
     assert events == ["start0"] + [e for k in range(1, turns) for e in (f"start{k}", f"finish{k - 1}")] + [
         f"finish{turns - 1}"]
     assert sorted(got) == sorted(want) and len(rows) == 44
