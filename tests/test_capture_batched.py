@@ -421,3 +421,18 @@ def test_a_failed_save_gives_a_slot_back_only_once_its_worker_is_done_with_it(
         v3 = store.save(st)  # and the store goes on
         got = store.load(v3)
         assert all(torch.equal(got[k], t) for k, t in st.items())
+
+
+@pytest.mark.parametrize("nbytes", [1 << 20, 3 * (1 << 20) + 12_345])
+def test_a_pageable_slot_is_page_aligned_and_its_exact_size(nbytes: int) -> None:
+    """Packs write slots with O_DIRECT: every slot's data starts on a 4096-byte boundary, whatever malloc gave."""
+    from datastates.save.buffers import BufferPool
+
+    pool = BufferPool(4 * nbytes, nbytes)
+    slots = [pool.acquire()[0] for _ in range(3)]
+    for slot in slots:
+        assert not slot.buf.is_pinned()
+        assert len(slot.buf) == nbytes and slot.buf.data_ptr() % 4096 == 0
+    assert len({slot.buf.data_ptr() for slot in slots}) == 3 and pool.allocated_bytes == 3 * nbytes
+    for slot in slots:
+        pool.release(slot)

@@ -85,6 +85,26 @@ def test_the_pool_is_pinned(tmp_path: Path) -> None:
             s.pool.release(slot)
 
 
+def test_a_pinned_slot_pins_its_own_bytes_not_the_next_power_of_two() -> None:
+    """torch's pinned allocator rounds each request up to a power of two: a slot asked for with 4 KiB of
+    alignment slack would pin twice its size. A pinned slot is requested at exactly its size, page-aligned."""
+    from datastates.save.buffers import BufferPool
+
+    slot_bytes = 32 * MiB  # a size no other test's pinned buffers have, so none is reused from the cache
+    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    pool = BufferPool(4 * slot_bytes, slot_bytes, pin=True)
+    slots = [pool.acquire()[0] for _ in range(2)]
+    try:
+        for slot in slots:
+            assert slot.buf.is_pinned() and len(slot.buf) == slot_bytes and slot.buf.data_ptr() % 4096 == 0
+            assert slot.buf.untyped_storage().nbytes() == slot_bytes  # the request itself: no slack to round up
+        grown = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) - before
+        assert grown <= 2 * slot_bytes
+    finally:
+        for slot in slots:
+            pool.release(slot)
+
+
 @pytest.mark.parametrize("how", ["sync", "async", "lazy"])
 def test_cuda_state_round_trips_bit_exact_on_cpu_and_cuda(tmp_path: Path, how: str) -> None:
     state = _gpu_state(1)

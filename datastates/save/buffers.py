@@ -158,9 +158,7 @@ class BufferPool:
                 buf = None
         if buf is None:
             try:
-                # 4096-aligned so packs can write slots with O_DIRECT.
-                raw = torch.empty(self.slot_bytes + 4096, dtype=torch.uint8, pin_memory=self.pin)
-                buf = raw[(-raw.data_ptr()) % 4096:][: self.slot_bytes]
+                buf = slot_buffer(self.slot_bytes, self.pin)
             except BaseException:
                 with self._cv:
                     self._allocated -= 1
@@ -181,6 +179,23 @@ class BufferPool:
     @property
     def allocated_bytes(self) -> int:
         return self._allocated * self.slot_bytes
+
+
+def slot_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+    """A new uint8 host buffer of `nbytes` whose data starts on a 4096-byte boundary, so that packs can write it
+    with O_DIRECT; pinned (page-locked, for copies from a GPU) when `pin`. Raises what torch raises when the
+    memory cannot be had."""
+    if pin:
+        # Exactly `nbytes`: torch's pinned allocator rounds every request up to a power of two, so the 4 KiB of
+        # slack that aligns a pageable buffer would make a 64 MiB slot pin 128 MiB, twice the memory and twice
+        # the pinning time of the first save. Pinned blocks are page-aligned; the slack stays as a fallback.
+        raw = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        if raw.data_ptr() % 4096 == 0:
+            return raw
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8, pin_memory=True)
+    else:
+        raw = torch.empty(nbytes + 4096, dtype=torch.uint8)  # malloc puts a header before a big block
+    return raw[(-raw.data_ptr()) % 4096:][:nbytes]
 
 
 def default_pool_bytes() -> int:
