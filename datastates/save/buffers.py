@@ -157,14 +157,34 @@ class BufferPool:
                 self._allocated += 1
                 buf = None
         if buf is None:
-            try:
-                buf = slot_buffer(self.slot_bytes, self.pin)
-            except BaseException:
-                with self._cv:
-                    self._allocated -= 1
-                    self._cv.notify()
-                raise
+            buf = self._new_slot()
         return Slot(buf), time.perf_counter() - t0
+
+    def _new_slot(self) -> torch.Tensor:
+        """A new slot buffer, counted already (`_allocated`); the count is given back if allocating fails."""
+        try:
+            return slot_buffer(self.slot_bytes, self.pin)
+        except BaseException:
+            with self._cv:
+                self._allocated -= 1
+                self._cv.notify()
+            raise
+
+    def grow(self, slots: int) -> int:
+        """Allocate slots until the pool holds `slots` of them (at most its capacity) and keep them free, so the
+        saves that need them later only copy. Safe beside `acquire`. Returns the bytes allocated by this call.
+        Raises what the allocation raises (the slots made before it stay in the pool)."""
+        made = 0
+        while True:
+            with self._cv:
+                if self._allocated >= min(slots, self.max_slots):
+                    return made * self.slot_bytes
+                self._allocated += 1
+            buf = self._new_slot()
+            with self._cv:
+                self._free.append(buf)
+                self._cv.notify()
+            made += 1
 
     def release(self, slot: Slot) -> None:
         if slot.on_release is not None:

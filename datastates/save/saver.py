@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -23,11 +23,12 @@ from ..base.comm import Comm
 from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, CudaStaging, capture
+from .capture import plan as plan_slots
 from .collective import plan
 from .copier import Copier
 from .job import KnownStats, SaveHandle, SaveJob, SaveMemory
 from .pipeline import Pipeline
-from .tree import FlattenCache
+from .tree import FlattenCache, Flattener
 
 
 class Saver:
@@ -106,6 +107,25 @@ class Saver:
                     copier=None if overlap else self.copier)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
+
+    def reserve(self, state: Any, *, allow_pickle: bool = False) -> Future[int]:
+        """Grow the pool, in the background, to the slots a `save_async` of `state` takes (its layout, as
+        `capture` plans it; at most the pool's capacity). Returns a future of the pool's bytes once grown.
+        Raises UnsupportedValueError (from flatten) here, before anything is allocated; the future raises what
+        the allocation raises."""
+        f = Flattener(allow_pickle)
+        f.flatten(state)
+        slots = sum(1 for step in plan_slots(f.entries, self.chunk_size, self.pool.slot_bytes, borrow=False)
+                    if step.borrowed is None)
+        pool = self.pool
+
+        def grow() -> int:
+            pool.grow(slots)
+            return pool.allocated_bytes
+
+        # On the capture thread: a lazy save submitted after this captures once the slots exist, not beside
+        # the allocation.
+        return self._capturer.submit(grow)
 
     def stop(self) -> None:
         """Finish every job in flight, then end the pipeline's, the capture's and the copier's threads."""
