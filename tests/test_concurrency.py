@@ -186,3 +186,55 @@ def test_a_store_created_between_two_looks_at_its_directory_opens(tmp_path: Path
     (path / "FORMAT").unlink()  # a directory that really holds no store is still refused
     with pytest.raises(ds.StoreFormatError, match="no FORMAT file"):
         Tier(path).read_format()
+
+
+def _waiting_on_flock(path: Path) -> bool:
+    """True when some thread of this process is blocked in `flock` on `path` (a `->` line of /proc/locks)."""
+    st = os.stat(path)
+    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    lines = Path("/proc/locks").read_text().splitlines()
+    return any("->" in line and "FLOCK" in line and f" {os.getpid()} " in line and inode in line for line in lines)
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads /proc/locks (Linux)")
+def test_a_catalog_another_process_is_making_is_waited_for_not_called_damaged(tmp_path: Path) -> None:
+    """Regression (the 4-rank DCP test in CI): LMDB creates data.mdb empty and writes its meta pages after, and a
+    rank checking the file in between refused it as damaged. Replayed without timing: this test plays the other
+    process (it holds the catalog's open lock over an empty data.mdb); the opener must wait on that lock (seen in
+    /proc/locks), then open the catalog once it is whole."""
+    import fcntl
+    import shutil
+
+    from datastates.meta.catalog import OPEN_LOCK, Catalog
+
+    made = tmp_path / "made" / "catalog"
+    Catalog(made).close()  # a whole, empty catalog to put in place
+    cat = tmp_path / "store" / "catalog"
+    cat.mkdir(parents=True)
+    fd = os.open(cat / OPEN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    (cat / "data.mdb").write_bytes(b"")  # what LMDB leaves before its meta pages
+    got: list[object] = []
+
+    def open_it() -> None:
+        try:
+            got.append(Catalog(cat))
+        except BaseException as exc:
+            got.append(exc)
+
+    opener = threading.Thread(target=open_it)
+    opener.start()
+    try:
+        deadline = time.monotonic() + 60  # a guard against a hang, not a timing: the wait shows at once
+        while not got and not _waiting_on_flock(cat / OPEN_LOCK) and time.monotonic() < deadline:
+            opener.join(0.01)
+        assert got == []  # it neither opened nor refused the catalog being made
+        assert _waiting_on_flock(cat / OPEN_LOCK)  # it waits for the maker's lock
+        shutil.copyfile(made / "data.mdb", cat / "data.mdb")
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        opener.join(60)
+    (c,) = got
+    assert isinstance(c, Catalog) and c.version_count() == 0
+    c.close()

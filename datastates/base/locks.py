@@ -4,6 +4,7 @@ file systems where flock is not reliable."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import threading
 import time
@@ -14,6 +15,20 @@ from pathlib import Path
 from .files import HOST, process_alive
 
 STALE_LOCK_S = 30.0
+
+
+@contextmanager
+def flocked(path: Path, shared: bool = False) -> Iterator[None]:
+    """Hold `flock` on `path` (made if missing, with its folder), exclusive or `shared`, across the processes of
+    one host; released when the block ends or the process dies. Not for shared file systems (see `lockfile`)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 @contextmanager

@@ -19,6 +19,7 @@ from typing import Any
 import blake3
 import lmdb
 
+from ..base.locks import flocked
 from ..errors import CatalogDamagedError, IntegrityError
 from ..objects.chunks import ChunkLocation
 
@@ -103,6 +104,10 @@ class CommitBatch:
     copy it knew of was on cold only); otherwise the first writer's location stays."""
 
 
+OPEN_LOCK = "open.lock"
+"""In the catalog's folder: held while a process checks and opens the LMDB file (`Catalog`)."""
+
+
 class Catalog:
     """One process-wide handle per LMDB directory (LMDB forbids opening one twice)."""
 
@@ -112,15 +117,19 @@ class Catalog:
         with _OPEN_LOCK:  # LMDB forbids concurrent mdb_dbi_open: open the tables once, under the lock
             env, refs = _OPEN.get(key, (None, 0))
             if env is None:
-                path.mkdir(parents=True, exist_ok=True)
-                check_catalog_file(path / "data.mdb")
-                # map_size is virtual address space; the file grows only as pages are used.
-                try:
-                    env = lmdb.open(str(path), map_size=1 << 40, max_dbs=len(_DBS), subdir=True, max_readers=256)
-                    _DB_HANDLES[key] = {name.decode(): env.open_db(name) for name in _DBS}
-                except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
-                        lmdb.VersionMismatchError, lmdb.BadDbiError) as exc:
-                    raise CatalogDamagedError(_damaged(path / "data.mdb", f"is damaged ({exc})")) from exc
+                # One process at a time checks and opens the file: LMDB creates data.mdb empty and writes its meta
+                # pages after, so a process checking it meanwhile took a catalog being made for a damaged one
+                # (four ranks opening a new store at once, in CI). LMDB's own lock is not taken before the open.
+                with flocked(path / OPEN_LOCK):
+                    check_catalog_file(path / "data.mdb")
+                    # map_size is virtual address space; the file grows only as pages are used.
+                    try:
+                        env = lmdb.open(str(path), map_size=1 << 40, max_dbs=len(_DBS), subdir=True,
+                                        max_readers=256)
+                        _DB_HANDLES[key] = {name.decode(): env.open_db(name) for name in _DBS}
+                    except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
+                            lmdb.VersionMismatchError, lmdb.BadDbiError) as exc:
+                        raise CatalogDamagedError(_damaged(path / "data.mdb", f"is damaged ({exc})")) from exc
             _OPEN[key] = (env, refs + 1)
             self._db = _DB_HANDLES[key]
         self._key = key

@@ -7,7 +7,6 @@ reflog, so no ref move is ever silent.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..base.files import append_line, fsync_dir, replace
-from ..base.locks import lockfile
+from ..base.locks import flocked, lockfile
 from ..errors import ConflictError, IntegrityError, InvalidNameError, NotFoundError
 
 log = logging.getLogger("datastates")
@@ -94,14 +93,8 @@ class RefStore:
             with lockfile(self.root / "locks" / "refs.lockfile"):
                 yield
             return
-        self._lock_path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self._lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+        with flocked(self._lock_path):
             yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
 
     def get(self, kind: Kind, name: str) -> str | None:
         """The version id a ref points at, or None if it does not exist.

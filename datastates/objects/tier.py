@@ -14,16 +14,15 @@ Layout (see docs/format.md)::
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from ..base.files import append_line, replace, write_new
-from ..base.locks import lockfile
+from ..base.locks import flocked, lockfile
 from ..errors import NotFoundError, StoreFormatError
 from .packs import PackReader, PackWriter
 
@@ -147,25 +146,13 @@ class Tier:
                 out.extend(p for p in d.rglob("*") if p.is_file() and p.name.endswith(".tmp"))
         return sorted(out)
 
-    @contextmanager
-    def _flock(self, mode: int) -> Iterator[None]:
-        path = self.root / "locks" / "writers.lock"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, mode)
-            yield
-        finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
-
     def writing(self) -> AbstractContextManager[None]:
         """Held (shared) by every save in flight, so fsck/gc never delete a half-written save's files."""
-        return self._flock(fcntl.LOCK_SH)
+        return flocked(self.root / "locks" / "writers.lock", shared=True)
 
     def exclusive(self) -> AbstractContextManager[None]:
         """Held by fsck --repair and gc: waits for saves in flight, keeps new ones out."""
-        return self._flock(fcntl.LOCK_EX)
+        return flocked(self.root / "locks" / "writers.lock")
 
     def sweep_lock(self) -> AbstractContextManager[None]:
         """The shared tier's lock between deleting and publishing: a cold-tier gc holds it while it
