@@ -335,8 +335,9 @@ class Store(Queries):
         """Make, in the background, the staging buffers that a `save_async` of `state` will copy into, so that
         the first one blocks only for its copy, as the later ones do. Without it the first save allocates them
         as it goes: on an H200, pinning 1.5 GiB of buffers made the first `save_async` of a 1.1 GiB state block
-        0.7-0.9 s against 10-20 ms for the next ones; on a VM that hands freed memory back to its host, touching
-        new pages costs ~10x a copy. Call it once the state exists (after building the model and its
+        0.7-0.9 s against 10-20 ms for the next ones; on a 2-core VM the first blocked 0.32-0.34 s, and 0.14-0.16
+        s after a reserve (host buffers are written once here, so their pages are in memory before the first
+        copy; pinned ones are by pinning). Call it once the state exists (after building the model and its
         optimizer), well before the first checkpoint; it reads only the state's layout (its tensors' sizes,
         devices and sharing), not their bytes. The buffers count against `pool_bytes` and stay the store's
         until it is closed (pinned, page-locked host memory when CUDA is there).

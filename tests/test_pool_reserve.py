@@ -114,3 +114,33 @@ def test_a_failed_allocation_is_raised_by_the_future_and_keeps_the_slots_made(
         out = s.load(s.save_async(state).result())
         assert s.catalog.version_count() == 1
     assert torch.equal(out["big2"], state["big2"])
+
+
+def _resident_pages(address: int, nbytes: int) -> tuple[int, int]:
+    """(pages in memory, pages) of the page-aligned range at `address`, from mincore(2)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pages = -(-nbytes // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    assert libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec), pages
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="mincore(2) on Linux")
+def test_reserved_pageable_slots_are_in_memory_before_the_first_save(tmp_path: Path) -> None:
+    """Pageable memory is only address space until written; a reserved slot's pages are touched already, so the
+    first save's copy does not fault them in."""
+    state = {f"t{i}": torch.ones(MiB // 4) for i in range(6)}  # 6 MiB, 1 MiB slots
+    with Store.open(tmp_path / "s", chunk_size=MiB) as s:
+        assert not s.pool.pin or torch.cuda.is_available()
+        s.reserve(state).result(timeout=60)
+        slots = [s.pool.acquire()[0] for _ in range(s.pool.allocated_bytes // s.pool.slot_bytes)]
+        try:
+            for slot in slots:
+                resident, pages = _resident_pages(slot.buf.data_ptr(), len(slot.buf))
+                assert resident == pages
+        finally:
+            for slot in slots:
+                s.pool.release(slot)
