@@ -189,11 +189,18 @@ def test_a_store_created_between_two_looks_at_its_directory_opens(tmp_path: Path
 
 
 def _waiting_on_flock(path: Path) -> bool:
-    """True when some thread of this process is blocked in `flock` on `path` (a `->` line of /proc/locks)."""
-    st = os.stat(path)
-    inode = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
-    lines = Path("/proc/locks").read_text().splitlines()
-    return any("->" in line and "FLOCK" in line and f" {os.getpid()} " in line and inode in line for line in lines)
+    """True when some thread of this process is blocked in `flock` on `path`: a `->` line of /proc/locks
+    (`N: -> FLOCK ADVISORY WRITE <pid> <major>:<minor>:<inode> ...`) with this pid and the file's inode. The
+    device is not compared: on overlay file systems `stat` and /proc/locks may name different ones."""
+    inode = str(os.stat(path).st_ino)
+    for line in Path("/proc/locks").read_text().splitlines():
+        fields = line.split()
+        if "->" in fields and "FLOCK" in fields:
+            at = fields.index("FLOCK")
+            pid, where = fields[at + 3], fields[at + 4]
+            if pid == str(os.getpid()) and where.rsplit(":", 1)[-1] == inode:
+                return True
+    return False
 
 
 @pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads /proc/locks (Linux)")
