@@ -172,13 +172,12 @@ class BufferPool:
 
     def grow(self, slots: int) -> int:
         """Allocate slots until the pool holds `slots` of them (at most its capacity) and keep them free, so the
-        saves that need them later only copy. Safe beside `acquire`. Returns the bytes allocated by this call.
-        Raises what the allocation raises (the slots made before it stay in the pool)."""
-        made = 0
+        saves that need them later only copy. Safe beside `acquire`. Returns the pool's bytes then
+        (`allocated_bytes`). Raises what the allocation raises (the slots made before it stay in the pool)."""
         while True:
             with self._cv:
                 if self._allocated >= min(slots, self.max_slots):
-                    return made * self.slot_bytes
+                    return self._allocated * self.slot_bytes
                 self._allocated += 1
             buf = self._new_slot()
             if not self.pin:
@@ -189,7 +188,6 @@ class BufferPool:
             with self._cv:
                 self._free.append(buf)
                 self._cv.notify()
-            made += 1
 
     def release(self, slot: Slot) -> None:
         if slot.on_release is not None:

@@ -117,15 +117,9 @@ class Saver:
         f.flatten(state)
         slots = sum(1 for step in plan_slots(f.entries, self.chunk_size, self.pool.slot_bytes, borrow=False)
                     if step.borrowed is None)
-        pool = self.pool
-
-        def grow() -> int:
-            pool.grow(slots)
-            return pool.allocated_bytes
-
         # On the capture thread: a lazy save submitted after this captures once the slots exist, not beside
         # the allocation.
-        return self._capturer.submit(grow)
+        return self._capturer.submit(self.pool.grow, slots)
 
     def stop(self) -> None:
         """Finish every job in flight, then end the pipeline's, the capture's and the copier's threads."""
