@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -77,3 +78,19 @@ def zygote() -> Iterator[Zygote]:
         yield z
     finally:
         z.close()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--deadline", type=float, default=None, metavar="EPOCH_SECONDS",
+        help="skip every test that would start after this time (seconds since the epoch), saying so: .ci/run "
+             "bounds its sample of slow tests by the time its 30 minutes leave, not by luck")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    deadline = item.config.getoption("--deadline")
+    if deadline is not None and time.time() >= deadline:
+        # A skip, not a pass: the summary counts and names each one (-ra), with the command that runs it (the
+        # README's interpreter, from the repository's root).
+        pytest.skip(f"the run's time budget ended (--deadline {deadline:.0f}); run it alone: "
+                    f".venv/bin/python -m pytest '{item.nodeid}'")
