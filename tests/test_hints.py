@@ -71,18 +71,24 @@ def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _placeholders(store: Path, kind: str, template: str, tmp: Path) -> dict[str, str]:
+    deletes = "-D" in template or " -d " in template
     with ds.Store.open(store) as s:
         short = s.version("main").short
-        if "-D" in template:  # the hint deletes: give it a ref of its own to delete
-            s.branch("scratch", at="main", force=True)
-    return {"name": "scratch" if "-D" in template else "main", "ref": "main", "v.short": short, "va.short": short,
-            "kind": kind, "kind_name[0]": kind, "root": str(tmp / "fresh")}
+        if deletes:  # the hint deletes: give it a ref of its own to delete
+            if kind == "tag":
+                if "scratch" in s.tags():
+                    s.delete_tag("scratch")
+                s.tag("scratch", "main")
+            else:
+                s.branch("scratch", at="main", force=True)
+    return {"name": "scratch" if deletes else "main", "ref": "main", "v.short": short, "va.short": short,
+            "new[:12]": short, "kind": kind, "kind_name[0]": kind, "root": str(tmp / "fresh")}
 
 
 def _expand(template: str) -> list[tuple[str, str]]:
     """(kind, template) pairs: a hint over `{kind}` is tried for both ref kinds it can name."""
     if "{kind" not in template:
-        return [("branch", template)]
+        return [("tag" if template.startswith("datastates tag ") else "branch", template)]
     kinds = ("branch",) if "-D" in template else ("branch", "tag")  # -D is branch-only, as in the hint's code
     return [(k, template) for k in kinds]
 

@@ -92,9 +92,11 @@ def test_tag_twice_is_a_conflict(chain: tuple[ds.Store, list[str]], unchanged: A
     s.tag("best", ids[2], message="the best")
     with unchanged(s):
         for target in (ids[3], ids[2]):
-            with pytest.raises(ds.ConflictError, match="best"):
+            with pytest.raises(ds.ConflictError, match="`datastates tag -d best`"):  # the way out (tags never move)
                 s.tag("best", target)
     assert s.resolve("best") == ids[2]
+    with unchanged(s), pytest.raises(ds.ConflictError, match=f"`datastates branch -f main {ids[1][:12]}`"):
+        s.branch("main", at=ids[1])  # a branch moves, with force: the hint says so with the id it was asked for
 
 
 def test_delete_and_recreate_tag(chain: tuple[ds.Store, list[str]], unchanged: Any) -> None:

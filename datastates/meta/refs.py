@@ -180,9 +180,12 @@ class RefStore:
         with self.locked():
             current = self.get(kind, name)
             if current is not None:
-                raise ConflictError(
-                    f"{kind} {name!r} already exists (at {current[:12]}); delete it first or pick another name"
-                )
+                # Tags never move (git's tags neither): the way out is a delete; a branch moves, with force.
+                how = (f"delete it first: `datastates tag -d {name}` (in Python, `store.delete_tag({name!r})`)"
+                       if kind == "tag" else
+                       f"move it there: `datastates branch -f {name} {new[:12]}` (in Python, "
+                       f"`store.branch({name!r}, at=..., force=True)`)")
+                raise ConflictError(f"{kind} {name!r} already exists (at {current[:12]}); pick another name, or {how}")
             self._write(kind, name, None, new, message)
 
     def remove_if_equals(self, kind: Kind, name: str, old: str | None = None, message: str = "") -> str:
