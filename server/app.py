@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
@@ -21,6 +21,7 @@ from fastapi.staticfiles import StaticFiles
 import datastates as ds
 
 from . import API_PREFIX, errors
+from .deps import known_query
 from .metrics import Metrics
 from .middleware import Observe
 from .models import ErrorOut
@@ -87,7 +88,7 @@ def create_app(store_path: str | os.PathLike[str], token: str | None = None,
     app.state.populations = {}
     errors.install(app)
     for r in (versions.router, tensors.router, refs.router, system.router, graph.router):
-        app.include_router(r, prefix=API_PREFIX, responses=ERROR_RESPONSES)
+        app.include_router(r, prefix=API_PREFIX, responses=ERROR_RESPONSES, dependencies=[Depends(known_query)])
     # The lineage page: static files shipped in the package (no CDN, no npm: works air-gapped).
     app.add_api_route("/", _index, methods=["GET"], include_in_schema=False)
     app.mount("/static", StaticFiles(directory=STATIC), name="static")

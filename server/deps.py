@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import difflib
 import hmac
 import re
 
 from fastapi import Depends, Request
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import datastates as ds
@@ -23,6 +26,35 @@ def get_store(request: Request) -> ds.Store:
     if store is None:
         raise ApiError(503, "UNAVAILABLE", "the store is not open yet; retry in a moment")
     return store
+
+
+def known_query(request: Request) -> None:
+    """Refuse a query parameter the route does not take (InvalidArgumentError: a 400 naming it, the closest one it
+    takes, and all of them): a misspelt `?filtr=` would otherwise list every version as if it had matched."""
+    route = request.scope.get("route")
+    if not isinstance(route, APIRoute):
+        return
+    takes = _query_names.get(route.path_format)
+    if takes is None:
+        takes = _query_names[route.path_format] = sorted(_names(route.dependant))
+    for name in request.query_params:
+        if name not in takes:
+            close = difflib.get_close_matches(name, takes, n=1)
+            hint = f"did you mean {close[0]}=? " if close else ""
+            raise ds.InvalidArgumentError(
+                f"unknown query parameter {name!r} for {request.method} {request.url.path}; {hint}"
+                + (f"it takes {', '.join(takes)}" if takes else "it takes no query parameters"))
+
+
+_query_names: dict[str, list[str]] = {}
+"""Per route path: the query parameters it takes (read once from its dependencies)."""
+
+
+def _names(dependant: Dependant) -> set[str]:
+    names = {p.alias for p in dependant.query_params}
+    for sub in dependant.dependencies:
+        names |= _names(sub)
+    return names
 
 
 def require_write(request: Request,

@@ -210,6 +210,23 @@ def test_page_token_of_another_query_is_refused(client: httpx.Client) -> None:
     assert r.status_code == 400 and r.json()["error"]["code"] == "INVALID_ARGUMENT"
 
 
+@pytest.mark.parametrize(("path", "params", "named"), [
+    ("/versions", {"filtr": "step > 1"}, "did you mean filter=? it takes branch, filter, limit, order_by, page_token"),
+    ("/versions", {"where": "step > 1", "limit": 2}, "it takes branch, filter, limit, order_by, page_token"),
+    ("/versions/main", {"x": "1"}, "it takes no query parameters"),
+    ("/versions/main/state", {"key": "model.fc.weight"}, "did you mean keys=?"),
+])
+def test_an_unknown_query_parameter_is_refused_not_ignored(client: httpx.Client, path: str,
+                                                           params: dict[str, Any], named: str) -> None:
+    # Ignored, a misspelt filter would list every version as if each had matched it.
+    r = client.get(path, params=params)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "INVALID_ARGUMENT"
+    unknown = next(k for k in params if k not in ("limit",))
+    assert f"unknown query parameter {unknown!r} for GET /api/v1{path}; {named}" in err["message"]
+    assert client.get(path, params={k: v for k, v in params.items() if k != unknown}).status_code == 200
+
+
 def test_metrics_count_requests_and_report_versions(srv: ServerProc, client: httpx.Client, store: ds.Store) -> None:
     client.get("/versions/main")
     text = httpx.get(srv.url + "/metrics").text
