@@ -34,9 +34,9 @@ def known_query(request: Request) -> None:
     route = request.scope.get("route")
     if not isinstance(route, APIRoute):
         return
-    takes = _query_names.get(route.path_format)
-    if takes is None:
-        takes = _query_names[route.path_format] = sorted(_names(route.dependant))
+    # Read per request (a few fields): GET and POST of one path take different ones, so the route, not its
+    # path, says which; a walk costs microseconds next to any answer.
+    takes = sorted(_names(route.dependant))
     for name in request.query_params:
         if name not in takes:
             close = difflib.get_close_matches(name, takes, n=1)
@@ -44,10 +44,6 @@ def known_query(request: Request) -> None:
             raise ds.InvalidArgumentError(
                 f"unknown query parameter {name!r} for {request.method} {request.url.path}; {hint}"
                 + (f"it takes {', '.join(takes)}" if takes else "it takes no query parameters"))
-
-
-_query_names: dict[str, list[str]] = {}
-"""Per route path: the query parameters it takes (read once from its dependencies)."""
 
 
 def _names(dependant: Dependant) -> set[str]:

@@ -166,3 +166,13 @@ def test_cors_is_off_by_default_and_allows_only_the_given_origin(store_path: Pat
             "Origin": origin, "Access-Control-Request-Method": "POST",
             "Access-Control-Request-Headers": "Authorization"})
         assert pre.status_code == 200 and pre.headers.get("access-control-allow-origin") == origin
+
+
+def test_a_write_first_does_not_change_what_the_reads_of_its_path_take(store_path: Path) -> None:
+    # POST /branches takes no query parameter and GET /branches takes limit and page_token: the first request a
+    # fresh server answers on the path (here a refused write) must not decide the parameters of the other method.
+    with ServerProc(store_path) as fresh, httpx.Client(base_url=fresh.api, timeout=30) as c:
+        assert c.post("/branches", json={"name": "x", "at": "main"}).status_code == 403
+        assert c.post("/branches", params={"limit": 1}, json={"name": "x", "at": "main"}).status_code == 400
+        page = c.get("/branches", params={"limit": 1})
+        assert page.status_code == 200 and len(page.json()["items"]) == 1
