@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.counting import count_slots
 from torch import nn
 
 from datastates.store import Store
@@ -124,6 +125,74 @@ def test_cuda_state_round_trips_bit_exact_on_cpu_and_cuda(tmp_path: Path, how: s
     for got in (on_cpu, on_gpu):
         assert got["emb"].untyped_storage().data_ptr() == got["head"].untyped_storage().data_ptr()
         assert (got["t"].shape, got["bf16"].dtype, got["scalar"].shape) == ((64, 96), torch.bfloat16, ())
+
+
+def test_reserve_of_a_cuda_state_pins_every_slot_its_first_save_async_takes(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Store.reserve` on a GPU state: the slots are pinned ahead, the save that follows allocates none, and
+    its bytes are the call's."""
+    made = count_slots(monkeypatch)
+    state = _gpu_state(11)
+    with _store(tmp_path / "a") as plain:
+        plain.save_async(state).result(WAIT)
+        without = len(made)
+    assert without > 1  # the control: a first save_async allocates its slots as it copies
+    made.clear()
+    want = _host(state)
+    with _store(tmp_path / "b") as s:
+        reserved = s.reserve(state).result(WAIT)
+        assert reserved == s.pool.allocated_bytes == len(made) * s.pool.slot_bytes
+        assert len(made) == without
+        slot, _ = s.pool.acquire()
+        try:
+            assert slot.buf.is_pinned()
+        finally:
+            s.pool.release(slot)
+        made.clear()
+        h = s.save_async(state)
+        for t in state.values():
+            if t.is_floating_point():
+                t.add_(1)  # on the caller's stream, after the side stream's copies
+        v = h.result(WAIT)
+        assert made == []  # the save only copied into the reserved slots
+        assert _host(s.load(v)) == want
+
+
+def test_saves_of_the_same_cuda_state_keep_its_layout_and_each_keeps_its_own_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A training loop's state (the same tensor objects, new values, a CPU step counter beside the GPU weights as
+    AdamW keeps it): its slot layout is planned once and kept, and every save, async or sync, holds the bytes of
+    its own call."""
+    import datastates.save.capture as capture
+
+    planned: list[int] = []
+    real = capture.plan
+
+    def counted(entries: Any, *args: Any) -> Any:
+        planned.append(len(entries))
+        return real(entries, *args)
+
+    monkeypatch.setattr(capture, "plan", counted)
+    g = torch.Generator().manual_seed(12)
+    state: dict[str, torch.Tensor] = {f"w{i:03d}": torch.randn(1000 + 37 * i, generator=g).cuda() for i in range(200)}
+    state["big"] = torch.randn(3 * MiB // 4 + 5, generator=g).cuda()
+    state["step"] = torch.tensor(1.0)
+    versions, wants = [], []
+    with _store(tmp_path / "s", pool_bytes=4 * MiB) as s:
+        for _ in range(4):
+            wants.append(_host(state))
+            h = s.save_async(state)
+            for t in state.values():
+                t.add_(1)  # on the caller's stream (the step counter on the host) as soon as the call returns
+            versions.append(h.result(WAIT))
+        wants.append(_host(state))
+        versions.append(s.save(state))
+        # The first save makes the record, the second its layout, kept for the next two; the sync save plans
+        # its own (it reads host bytes in place), once.
+        assert len(planned) == 3
+        for v, want in zip(versions, wants):
+            assert _host(s.load(v)) == want
+            assert _host(s.load(v, device="cuda")) == want
 
 
 def test_the_same_bytes_from_cuda_and_cpu_are_one_set_of_chunks(tmp_path: Path) -> None:

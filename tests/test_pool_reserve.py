@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.counting import count_slots
 
 import datastates.save.buffers as buffers
 from datastates.errors import StoreClosedError, UnsupportedValueError
@@ -27,21 +28,8 @@ def _state() -> dict[str, Any]:
     return state
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every slot buffer allocated from here on, by size."""
-    made: list[int] = []
-    real = buffers.slot_buffer
-
-    def counted(nbytes: int, pin: bool) -> torch.Tensor:
-        made.append(nbytes)
-        return real(nbytes, pin)
-
-    monkeypatch.setattr(buffers, "slot_buffer", counted)
-    return made
-
-
 def test_reserve_makes_every_slot_the_first_save_async_takes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    made = _counting(monkeypatch)
+    made = count_slots(monkeypatch)
     state = _state()
     with Store.open(tmp_path / "a", chunk_size=MiB) as plain:
         plain.save_async(state).result()
@@ -73,7 +61,7 @@ def test_reserve_stops_at_the_pools_capacity_and_saves_go_on_through_it(tmp_path
 
 
 def test_reserve_twice_or_after_a_save_makes_nothing_more(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    made = _counting(monkeypatch)
+    made = count_slots(monkeypatch)
     state = _state()
     with Store.open(tmp_path / "s", chunk_size=MiB) as s:
         first = s.reserve(state).result(timeout=60)

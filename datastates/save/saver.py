@@ -11,7 +11,7 @@ import atexit
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
@@ -93,7 +93,9 @@ class Saver:
         job.known_stats = KnownStats(job, self.memory)
         if overlap and not lazy:
             job.go.set()  # the caller waits for durability anyway: hash while it copies
-        cuda = None if plans is not None else self._staging_for(job.entries)  # kept layouts are host-only
+        # A kept layout's rows may not be made yet (the pipeline makes them): its record knows their devices.
+        cuda = self._staging_for(plans.devices if plans is not None else
+                                 [e.device for e in job.entries if e.source is not None])
         self.pipeline.submit(job)
         if lazy:
             if optimizer is not None:
@@ -197,13 +199,14 @@ class Saver:
         except BaseException:
             pass  # reported through the handle by the pipeline
 
-    def _staging_for(self, entries: list[Any]) -> CudaStaging | None:
-        """The side stream for a job with CUDA tensors, all on the current device; None otherwise. A stream and its
-        events belong to one device, and a copy from another device's tensor runs on that device's stream, which
-        the slot's event would not cover: a state spread over several GPUs (a model split across them in one
-        process) is copied synchronously instead."""
-        devices = {e.source.device for e in entries if e.source is not None and e.source.is_cuda}
-        if not devices or devices != {torch.device("cuda", torch.cuda.current_device())}:
+    def _staging_for(self, devices: Iterable[str]) -> CudaStaging | None:
+        """The side stream for a job whose stored bytes are on `devices` (as `TensorEntry.device` names them) when
+        its CUDA ones are all the current device; None otherwise. A stream and its events belong to one device, and
+        a copy from another device's tensor runs on that device's stream, which the slot's event would not cover: a
+        state spread over several GPUs (a model split across them in one process) is copied synchronously
+        instead."""
+        gpus = {d for d in map(torch.device, set(devices)) if d.type == "cuda"}
+        if not gpus or gpus != {torch.device("cuda", torch.cuda.current_device())}:
             return None
         if self._cuda is None:
             self._cuda = CudaStaging(self.pool.slot_bytes)
