@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers.counting import count_slots
 from torch import nn
 
 import datastates as ds
@@ -45,9 +46,9 @@ def _data() -> list[dict[str, torch.Tensor]]:
     return [{"x": x[i], "labels": x[i].sum(0, keepdim=True)} for i in range(64)]
 
 
-def _args(out: Path) -> Any:
+def _args(out: Path, save_strategy: str = "steps") -> Any:
     return TrainingArguments(output_dir=str(out), max_steps=12, per_device_train_batch_size=8, learning_rate=0.05,
-                             logging_steps=1, save_strategy="steps", save_steps=4, report_to=[], use_cpu=True,
+                             logging_steps=1, save_strategy=save_strategy, save_steps=4, report_to=[], use_cpu=True,
                              seed=0, disable_tqdm=True, dataloader_num_workers=0, log_level="error")
 
 
@@ -80,3 +81,38 @@ def test_a_version_not_saved_by_the_callback_is_refused(tmp_path: Path) -> None:
         store.save({"w": torch.ones(2)})
         with pytest.raises(ds.NotFoundError, match="DataStatesCallback"):
             checkpoint_dir(store, "main", tmp_path / "out")
+
+
+class _AfterTheReservation(TrainerCallback):  # type: ignore[misc]
+    """Placed after the DataStates callback: waits for its reservation where it is made, so that the saves
+    come after it whatever the machine's load."""
+
+    def __init__(self, cb: DataStatesCallback) -> None:
+        self.cb = cb
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+        if self.cb.reserved is not None:
+            self.cb.reserved.result(timeout=60)
+
+
+def test_the_first_step_reserves_the_buffers_the_checkpoints_copy_into(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    made = count_slots(monkeypatch)
+    with ds.Store.open(tmp_path / "s") as store:
+        cb = DataStatesCallback(store, "run")
+        Trainer(model=Tiny(), args=_args(tmp_path / "a"), train_dataset=_data(),
+                callbacks=[cb, _AfterTheReservation(cb)]).train()
+        assert cb.reserved is not None and cb.reserved.result() == store.pool.slot_bytes  # one slot holds it all
+        assert made[0][1].startswith("datastates-capture")  # made by the reservation, not by the first save
+        assert [v.step for v in reversed(store.log("run"))] == [4, 8, 12]
+
+
+def test_a_trainer_that_saves_no_checkpoint_reserves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    made = count_slots(monkeypatch)
+    args = _args(tmp_path / "a", save_strategy="no")
+    with ds.Store.open(tmp_path / "s") as store:
+        cb = DataStatesCallback(store, "run")
+        Trainer(model=Tiny(), args=args, train_dataset=_data(), callbacks=[cb]).train()
+        assert cb.reserved is None and made == [] and store.pool.allocated_bytes == 0
+        with pytest.raises(ds.NotFoundError, match="no versions yet"):
+            store.log("run")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -22,15 +23,16 @@ class CountPreadv:
         return self.real(fd, bufs, offset)
 
 
-def count_slots(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Every staging slot buffer allocated from here on (`buffers.slot_buffer`), by size."""
+def count_slots(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, str]]:
+    """Every staging slot buffer allocated from here on (`buffers.slot_buffer`): its size and the name of the
+    thread that made it."""
     import datastates.save.buffers as buffers
 
-    made: list[int] = []
+    made: list[tuple[int, str]] = []
     real = buffers.slot_buffer
 
     def counted(nbytes: int, pin: bool) -> torch.Tensor:
-        made.append(nbytes)
+        made.append((nbytes, threading.current_thread().name))
         return real(nbytes, pin)
 
     monkeypatch.setattr(buffers, "slot_buffer", counted)
