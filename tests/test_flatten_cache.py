@@ -448,3 +448,147 @@ def test_a_manifest_is_the_arrow_file_of_its_columns_byte_for_byte() -> None:
     assert data == want and bytes(data) == want and data.readonly
     assert mid == mf.Manifest(mid, data).id
     assert [r["key"] for r in map(mf.Manifest(mid, data).row, range(len(rows)))] == cols["key"]
+
+
+def _trained_module(seed: int) -> tuple[torch.nn.Sequential, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt)
+    return model, opt
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    opt.zero_grad()
+    model(torch.randn(5, 4, generator=torch.Generator().manual_seed(1))).pow(2).mean().backward()
+    opt.step()
+
+
+def test_a_module_and_its_optimizer_are_flattened_once_across_training_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The README's way, `{"model": model, "optim": opt}`: the module's own parameters and buffers (not
+    `state_dict()`'s detached copies, new objects on every call) and the optimizer's state tensors are the same
+    objects from step to step, so the flatten is reused; each reuse gives what a fresh flatten gives."""
+    model, opt = _trained_module(0)
+    st = {"model": model, "optim": opt, "step": 1}
+    count = _Counting(monkeypatch)
+    cache = FlattenCache()
+    cache.flatten(st)
+    for i in range(3):
+        _step(model, opt)  # new values in place; the BatchNorm's running stats and step counters move too
+        st["step"] = i + 2
+        _same_as_fresh(cache, st)
+    assert count.n == 1 + 3  # the priming call and the three fresh comparisons: the reuses flattened nothing
+
+
+def test_a_module_is_saved_as_its_state_dict_detached(tmp_path: Path) -> None:
+    """Flattened through the module's parameters themselves, it is still stored, and loaded, as `state_dict()`
+    gives it: plain tensors without requires_grad, the same skeleton as the state dict's."""
+    model, opt = _trained_module(1)
+    tree, rows = flatten({"model": model})
+    sd_tree, sd_rows = flatten({"model": model.state_dict()})
+    assert tree["v"][0] == {**sd_tree["v"][0], "from": "torch.nn.modules.container.Sequential"}
+    assert [_row(e, False) for e in rows] == [_row(e, False) for e in sd_rows]
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save({"model": model, "optim": opt})
+        back = store.load(v)
+    for k, t in model.state_dict().items():
+        got = back["model"][k]
+        assert type(got) is torch.Tensor and not got.requires_grad and torch.equal(got, t), k
+    assert _equal(back["optim"], opt.state_dict())
+
+
+def test_a_module_whose_state_dict_takes_no_keep_vars_is_saved_through_it() -> None:
+    class Old(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+            return {"w": self.w.detach() * 2}
+
+    cache = FlattenCache()
+    for _ in range(2):
+        tree, rows = cache.flatten({"m": Old()})
+        assert tree["v"][0]["from"].endswith("Old") and rows[0].source is not None
+        assert bytes(rows[0].source.numpy()) == bytes(torch.full((3,), 2.0).numpy())
+
+
+@pytest.mark.parametrize("change", ["another module", "another class", "frozen", "a new parameter"])
+def test_a_changed_module_is_flattened_anew(change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _trained_module(2)
+    st: dict[str, Any] = {"model": model, "optim": opt}
+    cache = FlattenCache()
+    cache.flatten(st)
+    count = _Counting(monkeypatch)
+    if change == "another module":
+        st["model"] = _trained_module(3)[0]  # the same class and keys, other tensors
+    elif change == "another class":
+        st["model"] = torch.nn.Linear(4, 8)
+    elif change == "frozen":
+        model[0].weight.requires_grad_(False)
+    else:
+        model[0].bias = torch.nn.Parameter(torch.zeros(8))
+    _same_as_fresh(cache, st)
+    assert count.n == 2  # the cache's own flatten and the fresh comparison
+
+
+def test_saves_of_a_module_in_a_training_loop_load_back_each_step(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    model, opt = _trained_module(4)
+    count = _Counting(monkeypatch)
+    wants, versions = [], []
+    with ds.Store.open(tmp_path / "s") as store:
+        for lazy in (False, True, False, True):
+            wants.append({"model": {k: t.clone() for k, t in model.state_dict().items()},
+                          "optim": opt.state_dict()["state"][0]["exp_avg"].clone()})
+            h = store.save_async({"model": model, "optim": opt}, lazy=lazy, optimizer=opt)
+            _step(model, opt)  # waits for a lazy save's copy of what it changes
+            versions.append(h.result())
+        params = {k for k, _ in model.named_parameters()}
+        for v, want, lazy in zip(versions, wants, (False, True, False, True)):
+            back = store.load(v)
+            # A lazy save's copy waits for the optimizer's step only: the forward pass before it moves the
+            # BatchNorm's running statistics first (as documented for `lazy`).
+            keys = params if lazy else set(want["model"])
+            assert _equal({k: back["model"][k] for k in keys}, {k: want["model"][k] for k in keys})
+            assert _equal(back["optim"]["state"][0]["exp_avg"], want["optim"])
+    assert count.n <= 2  # flattened for the record on the first save, never again
+
+
+@pytest.mark.parametrize("change", ["a log that grows", "new keys", "a list becomes a dict"])
+def test_a_part_without_tensors_may_change_shape_and_the_flatten_is_still_reused(
+        change: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Trainer's state beside the tensors (its log grows every save) takes no new flatten of the tensors."""
+    st = _state()
+    st["trainer"] = {"log": [{"loss": 1.0}], "best": None, "args": ["lr", 0.1]}
+    count = _Counting(monkeypatch)
+    cache = FlattenCache()
+    cache.flatten(st)
+    for i in range(3):
+        if change == "a log that grows":
+            st["trainer"]["log"].append({"loss": 1.0 / (i + 2), "step": i})
+        elif change == "new keys":
+            st["trainer"][f"k{i}"] = {"nested": [i, "x", None]}
+        else:
+            st["trainer"]["args"] = {"lr": 0.1 * i} if i % 2 == 0 else ["lr", i]
+        with torch.no_grad():
+            st["model"]["w"].add_(1)
+        _same_as_fresh(cache, st)
+    assert count.n == 1 + 3  # the priming call and the fresh comparisons
+
+
+def test_a_part_without_tensors_that_gains_one_or_a_refused_value_is_flattened_anew(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    st = _state()
+    st["trainer"] = {"log": [{"loss": 1.0}]}
+    cache = FlattenCache()
+    cache.flatten(st)
+    count = _Counting(monkeypatch)
+    st["trainer"]["log"].append({"grad_norm": torch.tensor(0.5)})
+    _same_as_fresh(cache, st)
+    assert count.n == 2  # the cache's own flatten and the fresh comparison
+    st["trainer"]["log"][1] = {"blob": b"\x00\x01"}  # bytes: a value a kept skeleton does not hold
+    _same_as_fresh(cache, st)
+    st["trainer"]["log"][1] = {"when": object()}
+    with pytest.raises(ds.UnsupportedValueError, match=r"trainer\.log\.1\.when"):
+        cache.flatten(st)

@@ -49,13 +49,15 @@ def _plain(args: Any) -> dict[str, Any]:
 
 
 def _snapshot(state: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:
-    """What a checkpoint saves: the state dicts there are and the TrainerState as plain JSON."""
-    snapshot: dict[str, Any] = {"model": model.state_dict() if model is not None else {},
+    """What a checkpoint saves: the state dicts there are and the TrainerState as plain JSON. The objects
+    themselves, which the store saves through their `state_dict()`: the same tensors from checkpoint to
+    checkpoint, so each save after the first reuses its flatten (`model.state_dict()` detaches anew each call)."""
+    snapshot: dict[str, Any] = {"model": model if model is not None else {},
                                 "trainer_state": json.loads(json.dumps(dataclasses.asdict(state), default=str))}
     if optimizer is not None:
-        snapshot["optimizer"] = optimizer.state_dict()
+        snapshot["optimizer"] = optimizer
     if lr_scheduler is not None:
-        snapshot["scheduler"] = lr_scheduler.state_dict()
+        snapshot["scheduler"] = lr_scheduler
     return snapshot
 
 
