@@ -592,3 +592,18 @@ def test_a_part_without_tensors_that_gains_one_or_a_refused_value_is_flattened_a
     st["trainer"]["log"][1] = {"when": object()}
     with pytest.raises(ds.UnsupportedValueError, match=r"trainer\.log\.1\.when"):
         cache.flatten(st)
+
+
+def test_the_cache_keeps_no_storage_of_a_module_alive_after_the_module_and_its_optimizer_die() -> None:
+    import gc
+    import weakref
+
+    model, opt = _trained_module(5)
+    cache = FlattenCache()
+    cache.flatten({"model": model, "optim": opt})
+    cache.flatten({"model": model, "optim": opt})
+    assert cache._last is not None
+    storage = weakref.ref(model[0].weight.untyped_storage())
+    del model, opt
+    gc.collect()
+    assert cache._last is None and storage() is None
