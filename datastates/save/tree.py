@@ -334,8 +334,16 @@ def _walk(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | None =
         if _class_name(v) != node["from"]:
             return None
         v = _state_of(v)
-    if plain is not None and id(node) in plain:
+    new = _walk_node(v, node, out, plain)
+    if new is None and plain is not None and id(node) in plain:
+        # Compared first, made anew only when changed: an AdamW's state dict with 8,000 parameter indices took
+        # 3.0 ms of CPU to compare and 12.2 ms to flatten again (best of 20).
         return _plain_again(v, node)
+    return new
+
+
+def _walk_node(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | None) -> dict[str, Any] | None:
+    """`_walk` of `v` (an object's state already taken) against `node` itself."""
     t = node["t"]
     if t == "tensor":
         if not isinstance(v, torch.Tensor):
@@ -419,7 +427,8 @@ class _Flattened:
         skeleton: the same for every save this record serves, whatever the rows' sources (see `manifest.encode`)."""
         self.refs = [weakref.ref(t, on_death) for t in tensors]
         self.plain: set[int] = set()
-        """Ids of the skeleton's outermost containers without tensors (`_walk`): held while `tree` is."""
+        """Ids of the skeleton's containers without tensors (`_walk`); the record holds `tree`, so they stay
+        its nodes'."""
         _plain_containers(tree, self.plain)
         self.sigs = _signature(tensors)
         tensor_of = {row: i for i, row in enumerate(f.tensor_rows)}
