@@ -68,7 +68,6 @@ class DataStatesCallback(TrainerCallback):  # type: ignore[misc]
         check_name(branch, "branch")
         self.store, self.branch = store, branch
         self.handles: list[SaveHandle] = []
-        self._reserved = False
         self.reserved: Future[int] | None = None
         """The reservation made after the first step (`Store.reserve`'s future), once made."""
 
@@ -79,11 +78,9 @@ class DataStatesCallback(TrainerCallback):  # type: ignore[misc]
         copy, as the later ones do (on an H200, a 1.1 GiB state's first `save_async` blocked 0.93 s without,
         25 ms with). Nothing on ranks other than 0 or when the Trainer saves no checkpoint. Raises
         UnsupportedValueError for a state the saves would refuse too."""
-        if self._reserved or not state.is_world_process_zero:
-            return
-        self._reserved = True
-        if str(getattr(args.save_strategy, "value", args.save_strategy)) == "no":
-            return  # the buffers would hold memory for saves that never come
+        if (self.reserved is not None or not state.is_world_process_zero
+                or str(getattr(args.save_strategy, "value", args.save_strategy)) == "no"):
+            return  # made already, another rank's to make, or buffers that would hold memory for no save
         self.reserved = self.store.reserve(_snapshot(state, model, optimizer, lr_scheduler))
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
