@@ -6,6 +6,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,6 +42,41 @@ def test_a_replaced_tensor_is_copied_again(tmp_path: Path) -> None:
     state["t1"] = torch.zeros(64 * 1024)  # new storage under the same key
     v = s.save(state)
     assert torch.equal(s.load(v)["t1"], torch.zeros(64 * 1024))
+    s.close()
+
+
+def test_another_tensor_at_the_same_address_and_version_is_saved_anew(tmp_path: Path) -> None:
+    # Two storages over one numpy buffer, one after the other: the same address, the same version counter (0),
+    # other values. The allocator does the same to a tensor freed and another of its size made next; before the
+    # signature held the storage, the second save stored the first tensor's chunks for the second one.
+    s = ds.Store.open(tmp_path / "s", reuse_unchanged=True)
+    buf = np.ones(64 * 1024, dtype=np.float32)
+    first = torch.from_numpy(buf)
+    address = first.data_ptr()
+    s.save({"w": first})
+    del first
+    buf[:] = 2.0
+    second = torch.from_numpy(buf)
+    assert (second.data_ptr(), second._version) == (address, 0)
+    v = s.save({"w": second})
+    assert v.bytes_new == 64 * 1024 * 4
+    assert torch.equal(s.load(v)["w"], torch.full((64 * 1024,), 2.0))
+    s.close()
+
+
+def test_state_dict_tensors_of_unchanged_parameters_are_reused(tmp_path: Path) -> None:
+    # `model.state_dict()` makes new tensor objects on every call, over the parameters' own storages: those
+    # untouched since the last save are still reused, the stepped one is saved again.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    s = ds.Store.open(tmp_path / "s", reuse_unchanged=True)
+    s.save(model.state_dict())
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    v = s.save(model.state_dict())
+    assert v.bytes_new == 256 * 256 * 4
+    loaded = s.load(v)
+    assert all(torch.equal(loaded[k], t) for k, t in model.state_dict().items())
     s.close()
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ..errors import InvalidArgumentError, UnsupportedValueError
 
@@ -69,7 +70,11 @@ class TensorEntry:
     chunks: list[bytes] = field(default_factory=list)
     stats: dict[str, float | int | None] = field(default_factory=dict)
     sig: tuple[object, ...] | None = None
-    """For 'tensor' rows: (data_ptr, version counter, dtype, shape, stride, device) at capture."""
+    """For 'tensor' rows: (data_ptr, version counter, dtype, shape, stride, device, storage) at capture, where
+    storage is a `StorageWeakRef` of the tensor's storage: equal only for the very same storage (a weak reference
+    keeps the storage's record, not its bytes, so no other storage can take its address while it is held). The
+    address alone is not enough: a tensor freed and another allocated in its place, at the same version, had
+    the same signature, and `reuse_unchanged` stored the old one's chunks for the new one."""
     piece_stats: list[Partial] | None = None
     """For a 'tensor' row of several chunks, once saved: each chunk's own `stats.Partial`, in chunk order (never
     changed once set), so that a later save finding a chunk unchanged need not summarize it again."""
@@ -260,7 +265,7 @@ class Flattener:
     def _add_tensor(self, path: str, t: torch.Tensor) -> int:
         src = _bytes_of(t)
         dev, shape = str(t.device), tuple(t.shape)
-        sig = (t.data_ptr(), t._version, t.dtype, shape, tuple(t.stride()), dev)
+        sig = (t.data_ptr(), t._version, t.dtype, shape, tuple(t.stride()), dev, StorageWeakRef(t.untyped_storage()))
         self.entries.append(TensorEntry(path, t.dtype, shape, dev, "tensor", source=src, nbytes=src.numel(),
                                         sig=sig))
         return len(self.entries) - 1
@@ -459,7 +464,8 @@ class _Flattened:
                 col.append(v)
         self._sig_cols = [[self.sigs[1][i] for i in self.sig_of]] + [
             [self.columns[c][row] for row in self.signed] for c in (1, 2)] + [
-            [self.sigs[4][i] for i in self.sig_of], [self.columns[3][row] for row in self.signed]]
+            [self.sigs[4][i] for i in self.sig_of], [self.columns[3][row] for row in self.signed],
+            [StorageWeakRef(tensors[i].untyped_storage()) for i in self.sig_of]]
         self.own_sources = not self.copied
         """Every stored row reads through a byte view this record keeps (no contiguous copy made per save):
         each save's rows have the very same sources, so `plans` may hold them."""
@@ -491,9 +497,9 @@ class _Flattened:
         if tensors is not None:
             for row, i in self.copied:
                 entries[row].source = _bytes_of(tensors[i])
-        ptrs, dtypes, shapes, strides, devices = self._sig_cols
-        # sig: (data_ptr, version counter, dtype, shape, stride, device), as `Flattener._add_tensor` makes it
-        for row, sig in zip(self.signed, zip(ptrs, versions, dtypes, shapes, strides, devices)):
+        ptrs, dtypes, shapes, strides, devices, storages = self._sig_cols
+        # sig: (data_ptr, version counter, dtype, shape, stride, device, storage), as `Flattener._add_tensor` makes it
+        for row, sig in zip(self.signed, zip(ptrs, versions, dtypes, shapes, strides, devices, storages)):
             entries[row].sig = sig
         return entries
 
