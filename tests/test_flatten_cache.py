@@ -5,12 +5,16 @@ the skeleton, every row's fields and the bytes each row would store."""
 
 from __future__ import annotations
 
+import copy
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import datastates as ds
 from datastates.save import capture as capture_mod
@@ -175,19 +179,99 @@ def test_conjugate_views_are_never_reused() -> None:
     _same_as_fresh(cache, st, sig=False)  # each flatten resolves into a new copy (another data pointer)
 
 
-def test_a_state_of_new_tensor_objects_every_save_keeps_no_record_then_a_repeated_one_does() -> None:
-    model = torch.nn.Linear(4, 3)
+def test_state_dicts_of_new_tensor_objects_every_save_reuse_a_record_that_holds_none(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # `model.state_dict()` detaches anew on every call: new objects over the same storages, same signatures.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
     cache = FlattenCache()
-    cache.flatten({"model": model.state_dict()})  # the first save keeps a record, which the next one misses
-    for _ in range(3):  # state_dict() detaches anew each call: no record is built for nothing
-        fresh = {"model": model.state_dict()}  # alive while checked: a record would still be there
-        _same_as_fresh(cache, fresh)
-        assert cache._last is None
-    st = {"model": model.state_dict()}
-    cache.flatten(st)  # the same objects as the time before ...
-    cache.flatten(st)
-    assert cache._last is not None  # ... so the record is kept again
-    _same_as_fresh(cache, st)
+    cache.flatten({"model": model.state_dict()})  # a record of its objects, gone with them
+    cache.flatten({"model": model.state_dict()})  # others at the same addresses: a record that holds none
+    assert cache._last is not None and cache._last.refs is None
+    count = _Counting(monkeypatch)
+    for _ in range(3):
+        with torch.no_grad():
+            model[0].weight.add_(1)
+        model[1].num_batches_tracked += 1
+        _same_as_fresh(cache, {"model": model.state_dict()})  # rows, signatures (versions) and bytes
+    assert count.n == 3  # the comparisons' own flattens: the cache flattened nothing
+
+
+def test_a_record_of_new_objects_keeps_no_storage_alive(tmp_path: Path) -> None:
+    model = torch.nn.Linear(300, 200)
+    with ds.Store.open(tmp_path / "s") as store:
+        for _ in range(4):  # the third and fourth captures go through the record's layouts
+            store.save_async({"model": model.state_dict()}).result()
+        record = store._saver.flattener._last
+        assert record is not None and record.refs is None and record.plans
+        weight = StorageWeakRef(model.weight.untyped_storage())
+        del model
+        gc.collect()
+        assert weight.expired()  # the record and its layouts hold no byte view of the state
+        assert store._saver.flattener._last is record
+
+
+def test_states_of_other_objects_in_turn_keep_no_record() -> None:
+    a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)  # a population's members saved to one store in turn
+    cache = FlattenCache()
+    for _ in range(3):
+        for m in (a, b):
+            _same_as_fresh(cache, {"model": m.state_dict()})
+            assert cache._last is None
+
+
+def test_other_storages_at_the_same_addresses_are_flattened_with_their_own_bytes_and_storages() -> None:
+    buf = np.arange(64, dtype=np.float32)
+    cache = FlattenCache()
+    for i in range(4):  # a new storage over the buffer each time: same address, same signature
+        buf += 1
+        st = {"w": torch.from_numpy(buf), "b": torch.full((3,), float(i))}
+        _same_as_fresh(cache, st)
+        rows = cache.flatten(st)[1]
+        assert rows[0].sig is not None and rows[0].sig[6] == StorageWeakRef(st["w"].untyped_storage())
+    assert cache._last is not None and cache._last.refs is None
+
+
+def test_a_record_of_new_objects_leaves_conjugate_views_and_subclasses_to_the_full_flatten() -> None:
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    cache = FlattenCache()
+    for _ in range(2):
+        cache.flatten({"z": z.detach()})
+    assert cache._last is not None and cache._last.refs is None
+    _same_as_fresh(cache, {"z": z.detach().conj()}, sig=False)  # same address, shape, strides: resolved copy
+
+    class Marked(torch.Tensor):
+        pass
+
+    w = torch.ones(3)
+    for _ in range(2):
+        cache.flatten({"w": w.detach()})
+    with pytest.raises(ds.UnsupportedValueError, match="w is a tensor subclass Marked"):
+        cache.flatten({"w": w.as_subclass(Marked)})
+
+
+@pytest.mark.parametrize("sync", [True, False], ids=["save", "save_async"])
+def test_saves_of_state_dicts_plan_their_layout_once_and_load_back_each_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sync: bool) -> None:
+    # Small parameters, a big one read in place by a sync save (>= 1 MiB), chunked (64 KiB chunks), and AdamW.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(1024, 320), torch.nn.Linear(320, 7), torch.nn.LayerNorm(7))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    plans = _CountingPlans(monkeypatch)
+    with ds.Store.open(tmp_path / "s", chunk_size=64 << 10) as store:
+        versions, expected = [], []
+        for _ in range(5):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+            state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            versions.append(store.save(state) if sync else store.save_async(state).result())
+            expected.append(copy.deepcopy(state))
+        backs = [store.load(v) for v in versions]
+    # first save: its objects' record; second: a record of new objects; third: laid out, the layout kept
+    assert plans.n == 3
+    for back, exp in zip(backs, expected):
+        assert _equal(back["model"], exp["model"])
+        assert [_equal(back["optim"]["state"][i], exp["optim"]["state"][i]) for i in range(5)] == [True] * 5
 
 
 def test_the_cache_keeps_no_storage_alive_after_its_tensors_die() -> None:

@@ -93,6 +93,16 @@ def _key_json(k: Any, path: str) -> Any:
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a tensor's logical bytes (a copy only if it is not contiguous)."""
+    # The common case in as few torch calls as possible (each costs ~1.2 us on the 2-core VM, and a state
+    # of small tensors makes one view per tensor per save): a detach only for a tensor that needs grad, no
+    # reshape of a tensor already flat.
+    dim = t.dim()
+    if dim == 1 and t.stride(0) == 1 or dim != 1 and t.is_contiguous():  # (a 0-d tensor is contiguous)
+        flat = t.detach() if t.requires_grad else t
+        if dim != 1:
+            flat = flat.view(-1)  # may keep an odd stride (one element, or none): the general path below
+        if flat.stride(0) == 1:
+            return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
     if t.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)  # strides of empty tensors can be anything
     flat = t.detach().reshape(-1)
@@ -420,17 +430,26 @@ def _cacheable(node: dict[str, Any]) -> bool:
 
 
 class _Flattened:
-    """One flatten kept for reuse: the skeleton, a template per row, and per tensor a weak reference and
-    the signature that must still hold (`_SIGNATURE`). Holds the rows' byte views (so the storages they
-    view) only while every tensor object is alive: the first one to die drops the whole record."""
+    """One flatten kept for reuse: the skeleton, a template per row, and per tensor the signature that must
+    still hold (`_SIGNATURE`), and a weak reference to it. Holds the rows' byte views (so the storages they
+    view) only while every tensor object is alive: the first one to die drops the whole record.
+
+    With `on_death` None (a state whose tensors are new objects on every save: `model.state_dict()` detaches
+    anew on every call), the record holds no tensor and no byte view, nothing that keeps the state's memory:
+    a state of other objects with the same signatures (so the same memory, the same aliasing) reuses its
+    skeleton and rows, each save making its rows' byte views afresh."""
 
     def __init__(self, tree: dict[str, Any], f: Flattener, tensors: list[torch.Tensor],
-                 on_death: Callable[[Any], None]) -> None:
+                 on_death: Callable[[Any], None] | None) -> None:
         self.tree = tree
         self.encoded: dict[str, Any] = {}
         """What the manifest encoder derives from the rows' constant fields (key, dtype, shape, ...) and the
         skeleton: the same for every save this record serves, whatever the rows' sources (see `manifest.encode`)."""
-        self.refs = [weakref.ref(t, on_death) for t in tensors]
+        self.refs = [weakref.ref(t, on_death) for t in tensors] if on_death is not None else None
+        self.count = len(tensors)
+        self.complex = any(t.is_complex() for t in tensors)
+        """Whether a tensor is complex: only those can be lazy conjugate or negative views, which a flatten
+        saves through a resolved copy (a state of new objects is checked for them)."""
         self.plain: set[int] = set()
         """Ids of the skeleton's containers without tensors (`_walk`); the record holds `tree`, so they stay
         its nodes'."""
@@ -452,7 +471,7 @@ class _Flattened:
                 t = tensors[i]
                 # A byte view is reused only if it reads the tensor's own memory (not a contiguous copy); an
                 # empty one reads nothing.
-                if src.numel() and src.data_ptr() != t.data_ptr():
+                if self.refs is None or (src.numel() and src.data_ptr() != t.data_ptr()):
                     src = None
                     self.copied.append((row, i))
                 self.signed.append(row)
@@ -469,9 +488,15 @@ class _Flattened:
         self.own_sources = not self.copied
         """Every stored row reads through a byte view this record keeps (no contiguous copy made per save):
         each save's rows have the very same sources, so `plans` may hold them."""
-        self.plans = Layouts(frozenset(d for d, src in zip(self.columns[3], self.columns[5]) if src is not None))
+        self.plans: Layouts | None = Layouts(
+            frozenset(d for d, src in zip(self.columns[3], self.columns[5]) if src is not None))
         """What later steps derive from this flatten alone and keep with it (`capture`'s slot layouts):
-        valid for every save this record serves, dropped with it."""
+        valid for every save this record serves, dropped with it. For a record of other objects every save, the
+        layouts without their byte views, if every stored byte is on the host (None otherwise)."""
+        if self.refs is None:
+            stored = frozenset(self.columns[3][row] for row in self.signed)
+            # A stored row of another kind ('storage') makes no record of new objects (`FlattenCache`).
+            self.plans = Layouts(stored, unbound=True) if stored <= {"cpu"} else None
 
     def reuse(self, state: Any, defer: bool = False) -> tuple[dict[str, Any], Rows] | None:
         """The skeleton and fresh rows of `state` if it holds the same tensors as this flatten, in the same
@@ -480,9 +505,12 @@ class _Flattened:
         `save_async`, and the background can do it. Version counters are read here either way."""
         tensors: list[torch.Tensor] = []
         tree = _walk(state, self.tree, tensors, self.plain)
-        if tree is None or len(tensors) != len(self.refs):
+        if tree is None or len(tensors) != self.count:
             return None
-        if not all(map(operator.is_, map(_deref, self.refs), tensors)):
+        if self.refs is not None:
+            if not all(map(operator.is_, map(_deref, self.refs), tensors)):
+                return None
+        elif not self._same_kind(tensors):
             return None
         if not all(list(map(f, tensors)) == col for f, col in zip(_SIGNATURE, self.sigs)):
             return None
@@ -492,12 +520,27 @@ class _Flattened:
             return tree, functools.partial(self._rows, versions, tensors=None)
         return tree, self._rows(versions, tensors)
 
+    def _same_kind(self, tensors: list[torch.Tensor]) -> bool:
+        """For a record of other tensor objects: whether `tensors` are all tensors `flatten` stores as they are
+        (plain or parameter, strided, not lazy conjugate or negative views). A value it refuses (a sparse or
+        nested tensor, a subclass) is left to the full flatten, which names it."""
+        if not all(map(_STORED.__contains__, map(type, tensors))):
+            return False
+        if not all(t.layout == torch.strided and not t.is_nested for t in tensors):
+            return False
+        return not self.complex or not any(t.is_conj() or t.is_neg() for t in tensors)
+
     def _rows(self, versions: list[int], tensors: list[torch.Tensor] | None) -> list[TensorEntry]:
         entries = list(map(TensorEntry, *self.columns))
         if tensors is not None:
             for row, i in self.copied:
                 entries[row].source = _bytes_of(tensors[i])
         ptrs, dtypes, shapes, strides, devices, storages = self._sig_cols
+        if self.refs is None and tensors is not None:
+            # Other tensor objects, maybe over other storages at the same addresses: each row's signature names
+            # the storage its tensor is on now (the record's reference where it is that one).
+            now = [tensors[i].untyped_storage() for i in self.sig_of]
+            storages = [r if u._cdata == r.cdata else StorageWeakRef(u) for r, u in zip(storages, now)]
         # sig: (data_ptr, version counter, dtype, shape, stride, device, storage), as `Flattener._add_tensor` makes it
         for row, sig in zip(self.signed, zip(ptrs, versions, dtypes, shapes, strides, devices, storages)):
             entries[row].sig = sig
@@ -507,14 +550,17 @@ class _Flattened:
 class Layouts(dict[Any, Any]):
     """A kept flatten's capture layouts (`capture`'s slot plans, by chunk size, slot size and borrowing), and the
     devices its stored bytes are on (`devices`, as `TensorEntry.device` names them): which side stream copies
-    them is decided from these, not from rows that may not be made yet."""
+    them is decided from these, not from rows that may not be made yet. `unbound`: the layouts hold no byte
+    view (a record of new tensor objects every save), and each capture binds them to its rows'."""
 
-    def __init__(self, devices: frozenset[str]) -> None:
+    def __init__(self, devices: frozenset[str], unbound: bool = False) -> None:
         super().__init__()
         self.devices = devices
+        self.unbound = unbound
 
 
 _deref = weakref.ref.__call__
+_STORED = frozenset((torch.Tensor, torch.nn.Parameter))
 _version_of = operator.attrgetter("_version")
 
 
@@ -522,13 +568,18 @@ class FlattenCache:
     """`flatten` for a caller that saves the same state again and again (a training loop: same containers,
     same tensor objects, new values): the last flatten is reused when the state has the same structure
     and every tensor is the same object with the same data pointer, dtype, shape, strides, storage offset,
-    device and requires_grad; anything else flattens anew. Thread-safe."""
+    device and requires_grad; anything else flattens anew. A state made of new tensor objects on every save
+    (`model.state_dict()`) reuses the skeleton and rows, not the byte views, when every tensor has the same
+    signature as the last time's (see `_Flattened`). Thread-safe."""
 
     def __init__(self) -> None:
         self._last: _Flattened | None = None
-        self._probe: weakref.ref[torch.Tensor] | None = None
-        """The first tensor of the last state flattened: a state whose first tensor is a new object each
-        time (`model.state_dict()` detaches anew on every call) is not worth a kept record."""
+        self._probe: tuple[weakref.ref[torch.Tensor], int, int] | None = None
+        """The first tensor of the last state flattened, its data pointer and the state's tensor count: a state
+        whose first tensor is the same object gets a record that holds its tensors; one whose first tensor is
+        another object at the same address, in as many tensors, gets one that holds none (a loop saving
+        `model.state_dict()`); any other is not worth a record (saves of other states in turn: a population's
+        members)."""
 
     def flatten(self, state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
         """As `flatten`; raises what it raises."""
@@ -550,21 +601,23 @@ class FlattenCache:
             kept = last.own_sources
             hit = last.reuse(state, defer and kept)
             if hit is not None:
-                return hit[0], hit[1], last.plans if kept else None, last.encoded
+                return hit[0], hit[1], last.plans if kept or last.refs is None else None, last.encoded
         f = Flattener(allow_pickle)
         tree = f.flatten(state)
         _renumber(tree, f.tensor_rows)
         self._last = None
         first = f._tensors[0][1] if f._tensors else None
-        probe, self._probe = self._probe, (weakref.ref(first) if first is not None else None)
-        # Keep a record on the first save, and later only when the state holds the tensor objects it held
-        # the time before: building one costs ~a quarter of a flatten, which a fresh-object state pays for
-        # nothing on every save.
-        if (probe is None or probe() is first) and _cacheable(tree):
+        probe = self._probe
+        self._probe = (weakref.ref(first), first.data_ptr(), len(f._tensors)) if first is not None else None
+        # Keep a record on the first save, and later only when the state is the one flattened the time before:
+        # building one costs ~a quarter of a flatten, which other states in turn would pay for nothing.
+        same = probe is None or probe[0]() is first
+        again = not same and probe is not None and probe[1:] == self._probe[1:]  # type: ignore[index]
+        if (same or (again and all(e.kind != "storage" for e in f.entries))) and _cacheable(tree):
             tensors: list[torch.Tensor] = []
             # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
             if _walk(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
-                self._last = _Flattened(tree, f, tensors, self._forget)
+                self._last = _Flattened(tree, f, tensors, self._forget if same else None)
                 return tree, f.entries, None, self._last.encoded
         return tree, f.entries, None, None
 
