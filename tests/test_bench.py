@@ -226,3 +226,16 @@ def test_the_profiling_target_runs_each_path_and_leaves_no_files(tmp_path: Path,
     assert f" {path}: median " in line and line.count("wall samples") == 1
     assert len(line.split("wall samples ")[1].split()) == 2  # one sample per repeat
     assert list(tmp_path.iterdir()) == []  # its store removed
+
+
+@pytest.mark.parametrize("path", ["save", "async"])
+def test_the_profiling_target_saves_new_tensor_objects_every_time_with_form_state_dict(
+        tmp_path: Path, path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from datastates.bench import profile
+
+    assert profile.main(["--shape", "cnn", "--scale", "0.02", "--path", path, "--repeats", "3", "--form",
+                         "state_dict", "--dir", str(tmp_path)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"new objects every save) {path}: median " in line
+    assert len(line.split("wall samples ")[1].split()) == 3
+    assert list(tmp_path.iterdir()) == []

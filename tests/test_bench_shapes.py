@@ -71,10 +71,10 @@ def test_bench_shape_quick_runs(tmp_path: Path, shape: str, extra: list[str]) ->
     rep = json.loads(out.read_text())
     assert rep["config"]["shape"] == shape
     assert {"ds_save", "ds_load", "ds_load_one", "torch_save_fsync", "safetensors_load"} <= set(rep["methods"])
-    assert set(rep["ratios"]) == {"torch_save_vs_ds", "blocking_vs_copy", "torch_load_vs_ds",
+    assert set(rep["ratios"]) == {"torch_save_vs_ds", "blocking_vs_copy", "blocking_new_vs_copy", "torch_load_vs_ds",
                                   "safetensors_load_vs_ds", "partial_time", "partial_reuse_time",
                                   "partial_bytes_changed", "one_of_all"}
-    assert "ds_partial_reuse_save" in rep["methods"]
+    assert {"ds_partial_reuse_save", "ds_async_new_blocking", "ds_async_new_durable"} <= set(rep["methods"])
     assert all(r["pass"] in (True, False) for r in rep["ratios"].values())
     assert rep["full_save_new_chunks_min"] == 1.0
     n = rep["config"]["tensors"]
@@ -153,8 +153,9 @@ def test_bench_with_the_state_on_a_gpu(tmp_path: Path, capsys: pytest.CaptureFix
     rep = json.loads(out.read_text())
     assert rep["machine"]["device"].startswith("cuda (")
     assert rep["command"].endswith("--device cuda")
-    assert {"plain_copy", "ds_save", "ds_async_blocking", "ds_partial_save", "ds_partial_reuse_save", "ds_load",
-            "ds_load_one", "torch_save_fsync", "torch_load", "safetensors_load"} <= set(rep["methods"])
+    assert {"plain_copy", "ds_save", "ds_async_blocking", "ds_async_new_blocking", "ds_partial_save",
+            "ds_partial_reuse_save", "ds_load", "ds_load_one", "torch_save_fsync", "torch_load",
+            "safetensors_load"} <= set(rep["methods"])
     assert not {"ds_load_mmap", "torch_load_mmap"} & set(rep["methods"])
     assert rep["full_save_new_chunks_min"] == 1.0
     for p in rep["partial"]:

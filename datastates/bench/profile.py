@@ -6,7 +6,9 @@
 
 Paths: `save` (sync, durable), `async` (the blocking part of save_async; each save waits for the previous
 one before the next starts), `load` (full), `one` (one tensor of the state), `partial` (sync save with
-10 % of the tensors changed), `reuse` (the same, on a store with `reuse_unchanged=True`). The state is
+10 % of the tensors changed), `reuse` (the same, on a store with `reuse_unchanged=True`). With
+`--form state_dict`, every save is given new tensor objects over the state's storages (what
+`model.state_dict()` returns on every call), made before the timer starts. The state is
 mutated (`add_(1)`) before every save so every save writes new bytes, as in `datastates bench`. Prints the
 median wall seconds of the path and the median CPU seconds it used: of the whole process (every thread:
 caller, pipeline, hashing workers), and of the caller's thread alone. On a machine shared with other busy
@@ -23,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from .peers import _mutate
 from .shapes import SHAPES, build
@@ -34,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=SHAPES, default="small")
     p.add_argument("--scale", type=float, default=0.25)
     p.add_argument("--path", choices=("save", "async", "load", "one", "partial", "reuse"), default="save")
+    p.add_argument("--form", choices=("objects", "state_dict"), default="objects",
+                   help="save the same tensor objects every time, or new ones over the same storages")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--dir", default=".")
     args = p.parse_args(argv)
@@ -53,18 +58,22 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         store = Store.open(root / "ds", pool_bytes=2 * size, reuse_unchanged=args.path == "reuse")
-        v = store.save(state, branch="main")
+        def given() -> dict[str, Any]:
+            return state if args.form == "objects" else {k: t.detach() for k, t in state.items()}
+
+        v = store.save(given(), branch="main")
         for r in range(args.repeats):
             if args.path in ("save", "async"):
                 _mutate(state)
             elif args.path in ("partial", "reuse"):
                 n = max(1, len(keys) // 10)
                 _mutate(state, keys[r * n % len(keys):][:n])
+            saved = given()
             c0, th0, t0 = proc_cpu(), time.thread_time(), time.perf_counter()
             if args.path in ("save", "partial", "reuse"):
-                v = store.save(state, branch="main")
+                v = store.save(saved, branch="main")
             elif args.path == "async":
-                h = store.save_async(state, branch="main")
+                h = store.save_async(saved, branch="main")
                 times.append(time.perf_counter() - t0)
                 caller.append(time.thread_time() - th0)
                 v = h.result()
@@ -80,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         store.close()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{args.shape} x{args.scale:g} ({len(state)} tensors, {size / 2**20:.0f} MiB) {args.path}: "
+    form = "" if args.form == "objects" else ", new objects every save"
+    print(f"{args.shape} x{args.scale:g} ({len(state)} tensors, {size / 2**20:.0f} MiB{form}) {args.path}: "
           f"median {statistics.median(times):.4f} s wall, {statistics.median(cpu):.4f} s CPU (all threads"
           f"{', to durable' if args.path == 'async' else ''}), {statistics.median(caller):.4f} s CPU (caller's "
           f"thread); wall samples " + " ".join(f"{t:.4f}" for t in times))
