@@ -87,3 +87,26 @@ def test_loading_a_path_never_saved_is_a_typed_error(tmp_path: Path) -> None:
         io = DataStatesCheckpointIO(store)
         with pytest.raises(ds.NotFoundError, match="datastates://"):
             io.load_checkpoint(tmp_path / "nope.ckpt")
+
+
+def test_checkpoints_of_a_training_run_reuse_the_flatten_after_the_second(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Lightning hands over `model.state_dict()` (new tensor objects over the same storages every time) with the
+    # optimizer's state and its loops' counters: the store's flatten cache keeps a record of that form.
+    from datastates.save import tree as tree_mod
+
+    flattens = []
+    real = tree_mod.Flattener.flatten
+    monkeypatch.setattr(tree_mod.Flattener, "flatten", lambda f, state: flattens.append(1) or real(f, state))
+    with ds.Store.open(tmp_path / "s") as store:
+        torch.manual_seed(0)
+        model = Tiny()
+        every = ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, every_n_epochs=1)
+        trainer = _trainer(tmp_path, DataStatesCheckpointIO(store, branch="run"), 5, [every])
+        trainer.fit(model, _data())
+        assert len(store.log("run")) == 5
+        assert len(flattens) == 2  # the first checkpoint, and the second, which makes the record the others reuse
+        last = store.load("run")
+        assert torch.equal(last["state_dict"]["net.weight"], model.net.weight.detach())
+        momentum = trainer.optimizers[0].state[model.net.weight]["momentum_buffer"]
+        assert torch.equal(last["optimizer_states"][0]["state"][0]["momentum_buffer"], momentum)

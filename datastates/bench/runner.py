@@ -192,7 +192,10 @@ class _Bench:
             if self.reuse is not None:
                 self.reuse.save(self.state, branch="main", message="warm-up")
             if self.given is not None:
-                self.given.save(_new_objects(self.state), branch="main", message="warm-up")
+                # As a training loop's first checkpoints: the flatten cache's record of new objects is made by the
+                # second save and its slot layout by the third; the pool's slots by the first save_async.
+                for _ in range(3):
+                    self.given.save_async(_new_objects(self.state), branch="main", message="warm-up").result()
             v100 = (store.save(self.state100, branch="bench100", message="100 tensors")
                     if self.state100 is not None else None)
             if dcp is not None:
