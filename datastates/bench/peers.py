@@ -209,6 +209,11 @@ _PAGE = 4096
 _FEW_PAGES = 8 * _PAGE
 
 
+def new_objects(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` as `model.state_dict()` gives a module's tensors: new tensor objects over the same storages."""
+    return {k: t.detach() for k, t in state.items()}
+
+
 def _touch_pages(state: Any) -> None:
     """Read one byte per 4 KiB page of every tensor in `state` (a dict), and its last byte: lazy mmap loads
     become resident; wait for the GPU when a tensor is on one (its copies are then complete). Part of every

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .peers import _mutate
+from .peers import _mutate, new_objects
 from .shapes import SHAPES, build
 
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         store = Store.open(root / "ds", pool_bytes=2 * size, reuse_unchanged=args.path == "reuse")
         def given() -> dict[str, Any]:
-            return state if args.form == "objects" else {k: t.detach() for k, t in state.items()}
+            return state if args.form == "objects" else new_objects(state)
 
         v = store.save(given(), branch="main")
         for r in range(args.repeats):

@@ -37,6 +37,7 @@ from .peers import (
     cold_start,
     fresh_dir,
     make_state,
+    new_objects,
 )
 from .report import _report
 from .shapes import build
@@ -53,11 +54,6 @@ def changed_keys(keys: list[str], n: int, r: int, spread: bool) -> list[str]:
         return [keys[(r * n + i) % len(keys)] for i in range(n)]
     step = len(keys) / n if n else 1
     return [keys[(int(i * step) + r) % len(keys)] for i in range(n)]
-
-
-def _new_objects(state: dict[str, Any]) -> dict[str, Any]:
-    """`state` as `model.state_dict()` gives a module's tensors: new tensor objects over the same storages."""
-    return {k: t.detach() for k, t in state.items()}
 
 
 def _log(msg: str) -> None:
@@ -195,7 +191,7 @@ class _Bench:
                 # As a training loop's first checkpoints: the flatten cache's record of new objects is made by the
                 # second save and its slot layout by the third; the pool's slots by the first save_async.
                 for _ in range(3):
-                    self.given.save_async(_new_objects(self.state), branch="main", message="warm-up").result()
+                    self.given.save_async(new_objects(self.state), branch="main", message="warm-up").result()
             v100 = (store.save(self.state100, branch="bench100", message="100 tensors")
                     if self.state100 is not None else None)
             if dcp is not None:
@@ -299,11 +295,11 @@ class _Bench:
                 _check_equal(got, {one: state[one]}, "datastates load of one tensor")
 
     def new_objects(self, r: int) -> None:
-        """save_async of the state as new tensor objects (`_new_objects`), on its own store; last in a repeat,
+        """save_async of the state as new tensor objects (`new_objects`), on its own store; last in a repeat,
         so that the main store's partial save still follows a save of the state it changes."""
         assert self.given is not None
         _mutate(self.state)
-        given = _new_objects(self.state)  # made before the timer, as the caller makes its state_dict()
+        given = new_objects(self.state)  # made before the timer, as the caller makes its state_dict()
         v = self.timed_async("ds_async_new_blocking", "ds_async_new_durable", self._pool(self.given),
                              partial(self.given.save_async, given, branch="main"), _result)
         del given

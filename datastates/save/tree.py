@@ -607,12 +607,14 @@ class FlattenCache:
         _renumber(tree, f.tensor_rows)
         self._last = None
         first = f._tensors[0][1] if f._tensors else None
-        probe = self._probe
-        self._probe = (weakref.ref(first), first.data_ptr(), len(f._tensors)) if first is not None else None
+        probe, where, self._probe = self._probe, None, None
+        if first is not None:
+            where = (first.data_ptr(), len(f._tensors))
+            self._probe = (weakref.ref(first), *where)
         # Keep a record on the first save, and later only when the state is the one flattened the time before:
         # building one costs ~a quarter of a flatten, which other states in turn would pay for nothing.
         same = probe is None or probe[0]() is first
-        again = not same and probe is not None and probe[1:] == self._probe[1:]  # type: ignore[index]
+        again = not same and probe is not None and probe[1:] == where
         if (same or (again and all(e.kind != "storage" for e in f.entries))) and _cacheable(tree):
             tensors: list[torch.Tensor] = []
             # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
