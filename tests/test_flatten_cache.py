@@ -475,7 +475,7 @@ def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp
     kept_seen = []
     for step in (0, 0, 1, 2):
         st["step"] = step
-        tree, rows, _, kept = cache.flatten_kept(st)
+        tree, rows, _, kept, _ = cache.flatten_kept(st)
         assert kept is not None and isinstance(rows, list)
         kept_seen.append(kept)
         for i, e in enumerate(rows):
@@ -484,7 +484,7 @@ def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp
         assert mf.Manifest(*mf.encode(tree, rows, 1 << 20, kept)).tree == tree
     assert all(k is kept_seen[0] for k in kept_seen)  # one record served every save
     st["w"].append(torch.zeros(3))  # another structure: a new record, new columns
-    tree, rows, _, kept = cache.flatten_kept(st)
+    tree, rows, _, kept, _ = cache.flatten_kept(st)
     assert kept is not None and kept is not kept_seen[0] and "columns" not in kept
     with ds.Store.open(tmp_path / "s") as store:
         for step in (3, 4, 4, 5):
@@ -691,3 +691,133 @@ def test_the_cache_keeps_no_storage_of_a_module_alive_after_the_module_and_its_o
     del model, opt
     gc.collect()
     assert cache._last is None and storage() is None
+
+
+class _CountingViews:
+    """Counts the byte views a flatten makes of its tensors (`tree._bytes_of`)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.n = 0
+        real = tree_mod._bytes_of
+
+        def counted(t: torch.Tensor) -> torch.Tensor:
+            self.n += 1
+            return real(t)
+
+        monkeypatch.setattr(tree_mod, "_bytes_of", counted)
+
+
+def _mixed_module() -> torch.nn.Module:
+    # Small and chunked parameters (64 KiB chunks: the embedding is ~320 KiB), bf16, an int64 scalar buffer
+    # (BatchNorm's num_batches_tracked), a 0-d and an empty buffer.
+    torch.manual_seed(3)
+    m = torch.nn.Sequential(torch.nn.Embedding(256, 320), torch.nn.Linear(320, 5), torch.nn.BatchNorm1d(5),
+                            torch.nn.Linear(5, 3).to(torch.bfloat16))
+    m.register_buffer("scale", torch.tensor(2.5))
+    m.register_buffer("nothing", torch.empty(0, 4))
+    return m
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["save_async", "lazy"])
+def test_state_dicts_are_copied_by_address_with_no_byte_view_per_save_and_load_back_each_step(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
+    model = _mixed_module()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    views = _CountingViews(monkeypatch)
+    with ds.Store.open(tmp_path / "s", chunk_size=64 << 10) as store:
+        handles, expected, made = [], [], []
+        for step in range(6):
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            opt.step()
+            model[2].num_batches_tracked += 1
+            state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+            expected.append(copy.deepcopy(state))
+            before = views.n
+            handles.append(store.save_async(state, lazy=lazy))
+            del state  # the save holds the tensor objects it reads by address until its copy is done
+            if lazy:
+                handles[-1].wait_staged()  # a lazy save copies in the background: the caller waits for this
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(-1)  # before the version is durable: the save has its bytes already
+            handles[-1].result()
+            made.append(views.n - before)
+        record = store._saver.flattener._last
+        backs = [store.load(h.result()) for h in handles]
+    assert record is not None and record.refs is None and record.plans is not None
+    assert record.plans.raw is not None and len(record.plans.addressed) == 1
+    # first save: its objects' record; second: a record of new objects; third: its layout kept, and addressed;
+    # then no byte view at all: every tensor is copied from where the record says it is
+    assert made[3:] == [0, 0, 0] and made[2] > 0
+    for back, exp in zip(backs, expected):
+        assert _equal(back["model"], exp["model"]) and back["step"] == exp["step"]
+        assert _equal(back["optim"]["state"], exp["optim"]["state"])
+
+
+def test_other_storages_at_the_same_address_are_copied_by_address_and_named_in_the_signatures(
+        tmp_path: Path) -> None:
+    # A new storage over the same numpy buffer on every save: the address and signature match the record, the
+    # bytes copied are the buffer's now, and the rows name the storage they were taken from, so that a later
+    # `reuse_unchanged` never takes one storage's chunks for another's.
+    buf = np.zeros(20000, dtype=np.float32)
+    small = torch.arange(7, dtype=torch.int64)
+    with ds.Store.open(tmp_path / "s") as store:
+        for i in range(5):
+            buf[:] = i
+            st = {"w": torch.from_numpy(buf), "small": small.detach()}
+            back = store.load(store.save_async(st).result())
+            assert torch.equal(back["w"], torch.full((20000,), float(i))) and torch.equal(back["small"], small)
+            last = store._saver.memory.by_key["w"]
+            assert last.sig is not None and last.sig[6] == StorageWeakRef(st["w"].untyped_storage())
+        assert store._saver.flattener._last is not None and store._saver.flattener._last.plans.addressed
+        buf[:] = 9  # in place, under a new storage: the version counter is 0 again, as the last one's was
+        st = {"w": torch.from_numpy(buf), "small": small.detach()}
+        back = store.load(store.save(st, reuse_unchanged=True))
+        assert torch.equal(back["w"], torch.full((20000,), 9.0))
+
+
+def test_a_state_dict_with_a_strided_tensor_is_never_copied_by_address(tmp_path: Path) -> None:
+    w = torch.arange(600, dtype=torch.float32).reshape(20, 30)
+    with ds.Store.open(tmp_path / "s") as store:
+        for i in range(5):
+            st = {"t": w.t(), "b": torch.full((4,), float(i))}  # a transposed view: its bytes are a copy
+            with torch.no_grad():
+                w.add_(1)
+            assert _equal(store.load(store.save_async(st).result()), {"t": w.t().contiguous(), "b": st["b"]})
+        record = store._saver.flattener._last
+    assert record is not None and record.plans is not None and record.plans.raw is None
+    assert not record.plans.addressed
+
+
+def test_a_lazy_save_holds_the_tensors_it_reads_by_address_until_its_copy_and_no_longer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import weakref
+
+    from datastates.save import saver as saver_mod
+
+    model = torch.nn.Linear(64, 32)
+    with ds.Store.open(tmp_path / "s") as store:
+        for _ in range(3):  # the third capture makes the addressed layout
+            store.save_async({"model": model.state_dict()}).result()
+        assert store._saver.flattener._last is not None and store._saver.flattener._last.plans.addressed
+        real, go, seen = capture_mod.capture, threading.Event(), []
+
+        def held_capture(job: Any, *args: Any, **kw: Any) -> Any:
+            go.wait()  # the caller has dropped every reference of its own by now
+            gc.collect()
+            seen.append((job.holds is not None, ref() is not None))
+            return real(job, *args, **kw)
+
+        monkeypatch.setattr(saver_mod, "capture", held_capture)
+        state = {"model": model.state_dict()}
+        ref = weakref.ref(state["model"]["weight"])
+        expected = model.weight.detach().clone()
+        handle = store.save_async(state, lazy=True)
+        del state
+        go.set()
+        back = store.load(handle.result())
+        gc.collect()
+        assert seen == [(True, True)] and ref() is None  # held for the copy, dropped after it
+        assert torch.equal(back["model"]["weight"], expected)

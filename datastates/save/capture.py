@@ -90,7 +90,9 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
     `plans`, when given, keeps that layout for host-only jobs whose rows and byte views are the very same objects' (a
     cached flatten, `FlattenCache`): a repeated capture then only splits each slot and copies. `Layouts` marked
     `unbound` (a kept flatten of new tensor objects every save) keep it without its byte views, and each capture
-    binds it to the job's own (`SlotPlan.bound`).
+    binds it to the job's own (`SlotPlan.bound`); where their rows are contiguous host tensors (`Layouts.raw`), a
+    capture that copies keeps it bound to byte views made from the rows' addresses (`Layouts.addressed`) and
+    later jobs, whose rows then have no byte views, copy through it as it is (`job.holds` keeps their tensors).
 
     Always ends the job's slot stream (with None), even on error.
     """
@@ -101,14 +103,22 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
             cuda.stream.wait_stream(torch.cuda.current_stream())
         key = (job.chunk_size, pool.slot_bytes, borrow)
         unbound = isinstance(plans, Layouts) and plans.unbound
-        steps = plans.get(key) if plans is not None else None
-        if steps is None:
-            steps = plan(job.entries, job.chunk_size, pool.slot_bytes, borrow)
-            if plans is not None:
-                # Without the byte views when the record holds none: they would keep the caller's memory.
-                plans[key] = [step.bound(None, job.chunk_size) for step in steps] if unbound else steps
-        elif unbound:
-            steps = [step.bound(job.entries, job.chunk_size) for step in steps]
+        addressed = plans.addressed.get(key) if isinstance(plans, Layouts) else None
+        if addressed is not None:
+            steps = addressed  # the job's rows have no byte views: `job.holds` keeps what these views read
+        else:
+            if job.holds is not None:
+                raise AssertionError("a job without byte views needs an addressed layout")
+            steps = plans.get(key) if plans is not None else None
+            if steps is None:
+                steps = plan(job.entries, job.chunk_size, pool.slot_bytes, borrow)
+                if plans is not None:
+                    # Without the byte views when the record holds none: they would keep the caller's memory.
+                    plans[key] = [step.bound(None, job.chunk_size) for step in steps] if unbound else steps
+            elif unbound:
+                steps = [step.bound([e.source for e in job.entries], job.chunk_size) for step in steps]
+            if isinstance(plans, Layouts) and plans.unbound and not borrow and plans.raw is not None:
+                plans.addressed[key] = [step.bound(plans.raw, job.chunk_size) for step in plans[key]]
         ahead = Budget(_IN_PLACE_AHEAD)
         for step in steps:
             if step.borrowed is not None:
@@ -218,24 +228,25 @@ class SlotPlan:
     def has_cuda(self) -> bool:
         return bool(self._cuda)
 
-    def bound(self, entries: list[TensorEntry] | None, chunk_size: int) -> SlotPlan:
-        """This host slot's layout over the byte views of `entries` (rows of the same sizes and the same kinds
-        as those `plan` laid out: a flatten of other tensor objects with the same signatures), or over none
-        (a template, which `bound` binds again). Costs a few list operations per piece, against a `plan` of
-        every row: 88 ms of 114 saved per save of 32,000 small tensors on the 2-core VM."""
+    def bound(self, sources: list[torch.Tensor | None] | None, chunk_size: int) -> SlotPlan:
+        """This host slot's layout over `sources`, per row the flat byte view of its whole bytes (rows of the
+        same sizes and the same kinds as those `plan` laid out: a flatten of other tensor objects with the same
+        signatures), or over none (a template, which `bound` binds again). Costs a few list operations per
+        piece, against a `plan` of every row: 88 ms of 114 saved per save of 32,000 small tensors on the 2-core
+        VM."""
         assert not self._cuda, "only host layouts are kept without their byte views"
         new = SlotPlan.__new__(SlotPlan)
         new.pieces, new.used, new._shared, new._picks = self.pieces, self.used, self._shared, self._picks
         new._cuda, new._alone, new._runs, new.in_place, new.borrowed = [], [], [], None, None
         if self.borrowed is not None:  # the caller's tensor itself (a template keeps a placeholder to bind)
-            new.borrowed = entries[self.pieces[0].row].source if entries is not None else _UNBOUND
+            new.borrowed = sources[self.pieces[0].row] if sources is not None else _UNBOUND
             new._batches = []
             return new
-        views = [None if p.length == 0 or entries is None else _piece_view(entries[p.row], p, chunk_size)
+        views = [None if p.length == 0 or sources is None else _piece_view(sources[p.row], p, chunk_size)
                  for p in self.pieces]
         if self.in_place is not None:
             new.in_place = InPlace(views)
-        host = [v for v in views if v is not None] if entries is not None else None
+        host = [v for v in views if v is not None] if sources is not None else None
         new._batches = [b.bound(host, pick) for b, pick in zip(self._batches, self._picks)]
         return new
 
@@ -271,11 +282,10 @@ _UNBOUND = torch.empty(0, dtype=torch.uint8)
 """The bytes of a borrowed slot in a layout kept without its byte views (`SlotPlan.bound`)."""
 
 
-def _piece_view(e: TensorEntry, p: Piece, chunk_size: int) -> torch.Tensor:
-    """The bytes of piece `p` of row `e`, as `plan` views them."""
-    src = e.source
+def _piece_view(src: torch.Tensor | None, p: Piece, chunk_size: int) -> torch.Tensor:
+    """The bytes of piece `p` of the row whose byte view is `src`, as `plan` views them."""
     assert src is not None
-    if p.length == e.nbytes:
+    if p.length == src.numel():
         return src
     a = p.index * chunk_size
     return src[a:a + p.length]

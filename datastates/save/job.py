@@ -20,6 +20,8 @@ from .stats import Partial
 from .tree import Rows, TensorEntry
 
 if TYPE_CHECKING:
+    import torch
+
     from ..meta.versions import Version
 
 
@@ -205,6 +207,9 @@ class SaveJob:
     """The kept flatten's `encoded` when the rows came from one: the manifest's constant columns, encoded once."""
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""
+    holds: list[torch.Tensor] | None = None
+    """The caller's tensors, held until the capture is over when the rows have no byte views of them (a kept
+    flatten's addressed layout reads their memory by address: `tree.Layouts.addressed`)."""
     _keep_sources: bool = True
 
     @property
@@ -229,6 +234,7 @@ class SaveJob:
         """Forget the caller's tensors (the capture is over): now on rows already made, or on those made later.
         Never waits for rows being made."""
         self._keep_sources = False
+        self.holds = None
         rows = self.rows
         if isinstance(rows, list):
             for e in rows:

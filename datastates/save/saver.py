@@ -81,11 +81,14 @@ class Saver:
         group = comm if comm is not None and comm.size > 1 else None  # a collective save's ranks
         # Rows the caller needs now (a collective plan, reuse_unchanged) are made now; otherwise the pipeline
         # makes them, if the flatten was a cached one.
-        tree, rows, plans, encoded = self.flattener.flatten_kept(state, allow_pickle=allow_pickle,
-                                                                 defer=group is None and not reuse_unchanged)
+        # A capture that copies (does not borrow) may copy through the kept flatten's addressed layout.
+        copies = lazy or not overlap
+        tree, rows, plans, encoded, holds = self.flattener.flatten_kept(
+            state, allow_pickle=allow_pickle, defer=group is None and not reuse_unchanged,
+            address_key=(self.chunk_size, self.pool.slot_bytes, False) if copies else None)
         handle = SaveHandle()
         job = SaveJob(tree, rows, request, handle, self.chunk_size, t0=t_call,
-                      ticket=self._capture_order.ticket(), encoded=encoded)
+                      ticket=self._capture_order.ticket(), encoded=encoded, holds=holds)
         if group is not None:
             job.dist = plan(job.entries, replicated or [], group)
         if job.dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):

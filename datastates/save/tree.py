@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import bisect
+import ctypes
 import functools
 import operator
 import pickle
@@ -112,6 +113,14 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     if flat.dtype == torch.uint8:
         return flat
     return flat.view(torch.uint8)
+
+
+def _raw_bytes(address: int, nbytes: int) -> torch.Tensor:
+    """A flat uint8 tensor over the `nbytes` host bytes at `address` that owns nothing and keeps nothing alive
+    (a ctypes array at that address, wrapped without a copy): valid only while whatever owns those bytes is."""
+    if not nbytes:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_ubyte * nbytes).from_address(address), dtype=torch.uint8)
 
 
 MAX_DEPTH = 200
@@ -496,13 +505,36 @@ class _Flattened:
         if self.refs is None:
             stored = frozenset(self.columns[3][row] for row in self.signed)
             # A stored row of another kind ('storage') makes no record of new objects (`FlattenCache`).
-            self.plans = Layouts(stored, unbound=True) if stored <= {"cpu"} else None
+            self.plans = Layouts(stored, unbound=True, raw=self._raw_sources(tensors)) if stored <= {"cpu"} else None
 
-    def reuse(self, state: Any, defer: bool = False) -> tuple[dict[str, Any], Rows] | None:
+    def _raw_sources(self, tensors: list[torch.Tensor]) -> list[torch.Tensor | None] | None:
+        """For a record of other tensor objects every save, on the host: per row, a byte view of a stored row's
+        memory made from its address (`_raw_bytes`: it owns and keeps nothing), None for a row stored by none;
+        None if a stored tensor is not contiguous (its bytes are a copy, made per save). A state that matches
+        this record has every tensor at the same address, in the same shape and strides (`_SIGNATURE`), so
+        these views read its bytes for as long as its tensors are alive: a capture that holds them copies
+        through views made once, not a byte view per tensor per save (`capture`, `Layouts.addressed`)."""
+        raw: list[torch.Tensor | None] = [None] * len(self.columns[0])
+        for row, i in zip(self.signed, self.sig_of):
+            t = tensors[i]
+            if not t.is_contiguous():
+                return None
+            raw[row] = _raw_bytes(t.data_ptr(), self.columns[9][row])
+        return raw
+
+    def reuse(self, state: Any, defer: bool = False, address_key: Any = None
+              ) -> tuple[dict[str, Any], Rows, list[torch.Tensor] | None] | None:
         """The skeleton and fresh rows of `state` if it holds the same tensors as this flatten, in the same
-        structure, each with the same signature; None otherwise. With `defer`, the rows may come as a function
-        that makes them (when none needs a copy of its tensor now): building 8,000 rows took ~5 ms of a 50 ms
-        `save_async`, and the background can do it. Version counters are read here either way."""
+        structure, each with the same signature, and the tensors the capture must hold (see below); None
+        otherwise. With `defer`, the rows may come as a function that makes them (when none needs a copy of its
+        tensor now): building 8,000 rows took ~5 ms of a 50 ms `save_async`, and the background can do it.
+        Version counters are read here either way.
+
+        With `address_key` (a capture's layout key, for a capture that copies and does not borrow), a record of
+        other objects every save whose layouts have an addressed layout under that key (`Layouts.addressed`)
+        gives rows without byte views, made later, and the state's tensors: the capture copies through the
+        addressed layout, and must hold them until it is done. The bytes are read where this save's tensors
+        are, as the signature check confirmed."""
         tensors: list[torch.Tensor] = []
         tree = _walk(state, self.tree, tensors, self.plain)
         if tree is None or len(tensors) != self.count:
@@ -517,8 +549,12 @@ class _Flattened:
         # Now, not when the rows are made: the caller may change its tensors as soon as the save returns.
         versions = list(map(_version_of, [tensors[i] for i in self.sig_of]))
         if defer and not self.copied:
-            return tree, functools.partial(self._rows, versions, tensors=None)
-        return tree, self._rows(versions, tensors)
+            return tree, functools.partial(self._rows, versions, tensors=None), None
+        if address_key is not None and self.plans is not None and address_key in self.plans.addressed:
+            # The storages now, not later: the signatures must name the ones these tensors are on.
+            now = [tensors[i].untyped_storage() for i in self.sig_of]
+            return tree, functools.partial(self._rows, versions, None, now), tensors
+        return tree, self._rows(versions, tensors), None
 
     def _same_kind(self, tensors: list[torch.Tensor]) -> bool:
         """For a record of other tensor objects: whether `tensors` are all tensors `flatten` stores as they are
@@ -530,16 +566,20 @@ class _Flattened:
             return False
         return not self.complex or not any(t.is_conj() or t.is_neg() for t in tensors)
 
-    def _rows(self, versions: list[int], tensors: list[torch.Tensor] | None) -> list[TensorEntry]:
+    def _rows(self, versions: list[int], tensors: list[torch.Tensor] | None,
+              now: list[torch.UntypedStorage] | None = None) -> list[TensorEntry]:
+        """Fresh rows; each 'tensor' row's byte view made from `tensors` when given (else none), its signature
+        naming the storage it is on now (`now`, per signed row, or from `tensors`) for a record of other objects."""
         entries = list(map(TensorEntry, *self.columns))
         if tensors is not None:
             for row, i in self.copied:
                 entries[row].source = _bytes_of(tensors[i])
         ptrs, dtypes, shapes, strides, devices, storages = self._sig_cols
         if self.refs is None and tensors is not None:
+            now = [tensors[i].untyped_storage() for i in self.sig_of]
+        if now is not None:
             # Other tensor objects, maybe over other storages at the same addresses: each row's signature names
             # the storage its tensor is on now (the record's reference where it is that one).
-            now = [tensors[i].untyped_storage() for i in self.sig_of]
             storages = [r if u._cdata == r.cdata else StorageWeakRef(u) for r, u in zip(storages, now)]
         # sig: (data_ptr, version counter, dtype, shape, stride, device, storage), as `Flattener._add_tensor` makes it
         for row, sig in zip(self.signed, zip(ptrs, versions, dtypes, shapes, strides, devices, storages)):
@@ -553,10 +593,17 @@ class Layouts(dict[Any, Any]):
     them is decided from these, not from rows that may not be made yet. `unbound`: the layouts hold no byte
     view (a record of new tensor objects every save), and each capture binds them to its rows'."""
 
-    def __init__(self, devices: frozenset[str], unbound: bool = False) -> None:
+    def __init__(self, devices: frozenset[str], unbound: bool = False,
+                 raw: list[torch.Tensor | None] | None = None) -> None:
         super().__init__()
         self.devices = devices
         self.unbound = unbound
+        self.raw = raw
+        """For `unbound` layouts of contiguous host tensors: per row, a byte view made from the address of its
+        tensor's bytes, owning nothing (`_Flattened._raw_sources`); None otherwise."""
+        self.addressed: dict[Any, Any] = {}
+        """By capture key (copies only, no borrowing): the layout bound to `raw`, made once and used as it is by
+        every capture of a state that matches the record (`capture`): no byte view made per tensor per save."""
 
 
 _deref = weakref.ref.__call__
@@ -583,25 +630,27 @@ class FlattenCache:
 
     def flatten(self, state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
         """As `flatten`; raises what it raises."""
-        tree, entries, _, _ = self.flatten_kept(state, allow_pickle)
+        tree, entries = self.flatten_kept(state, allow_pickle)[:2]
         assert isinstance(entries, list)
         return tree, entries
 
-    def flatten_kept(self, state: Any, allow_pickle: bool = False, defer: bool = False
-                     ) -> tuple[dict[str, Any], Rows, Layouts | None, dict[str, Any] | None]:
+    def flatten_kept(self, state: Any, allow_pickle: bool = False, defer: bool = False, address_key: Any = None
+                     ) -> tuple[dict[str, Any], Rows, Layouts | None, dict[str, Any] | None,
+                                list[torch.Tensor] | None]:
         """As `flatten`, plus on a reuse whose rows read only byte views the record keeps, the record's `plans`
-        (`Layouts` that name those views), else None; and the record's `encoded`
-        whenever the rows come from (or made) a record, else None. With `defer`, a reuse with `plans` may give
-        its rows as a function that makes them (`_Flattened.reuse`). Raises what `flatten` raises."""
+        (`Layouts` that name those views), else None; the record's `encoded` whenever the rows come from (or
+        made) a record, else None; and the tensors a capture must hold while it copies, when the rows have no
+        byte views for it (else None). With `defer`, a reuse with `plans` may give its rows as a function that
+        makes them (`_Flattened.reuse`, which says what `address_key` is for). Raises what `flatten` raises."""
         last = self._last
         if last is not None:
             # A layout names the rows' byte views: kept when every save has the very same ones. CUDA rows too: on
             # an H200, planning them anew made `small`'s save_async block 71 ms against 38 ms with the layout kept
             # (medians of 8, alternated; `cnn` 5.9 -> 4.7, `transformer` 15.2 -> 12.0 ms).
             kept = last.own_sources
-            hit = last.reuse(state, defer and kept)
+            hit = last.reuse(state, defer and kept, address_key if defer else None)
             if hit is not None:
-                return hit[0], hit[1], last.plans if kept or last.refs is None else None, last.encoded
+                return hit[0], hit[1], last.plans if kept or last.refs is None else None, last.encoded, hit[2]
         f = Flattener(allow_pickle)
         tree = f.flatten(state)
         _renumber(tree, f.tensor_rows)
@@ -620,8 +669,8 @@ class FlattenCache:
             # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
             if _walk(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
                 self._last = _Flattened(tree, f, tensors, self._forget if same else None)
-                return tree, f.entries, None, self._last.encoded
-        return tree, f.entries, None, None
+                return tree, f.entries, None, self._last.encoded, None
+        return tree, f.entries, None, None, None
 
     def clear(self) -> None:
         """Drop the kept flatten (and with it every reference to the state's storages)."""
