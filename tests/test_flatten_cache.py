@@ -708,24 +708,34 @@ class _CountingViews:
 
 
 def _mixed_module() -> torch.nn.Module:
-    # Small and chunked parameters (64 KiB chunks: the embedding is ~320 KiB), bf16, an int64 scalar buffer
-    # (BatchNorm's num_batches_tracked), a 0-d and an empty buffer.
+    # Small and chunked parameters (64 KiB chunks: the embedding is 1.25 MiB, borrowed by a sync save), bf16, an
+    # int64 scalar buffer (BatchNorm's num_batches_tracked), a 0-d and an empty buffer.
     torch.manual_seed(3)
-    m = torch.nn.Sequential(torch.nn.Embedding(256, 320), torch.nn.Linear(320, 5), torch.nn.BatchNorm1d(5),
+    m = torch.nn.Sequential(torch.nn.Embedding(1024, 320), torch.nn.Linear(320, 5), torch.nn.BatchNorm1d(5),
                             torch.nn.Linear(5, 3).to(torch.bfloat16))
     m.register_buffer("scale", torch.tensor(2.5))
     m.register_buffer("nothing", torch.empty(0, 4))
     return m
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["save_async", "lazy"])
+@pytest.mark.parametrize("mode", ["save", "save_async", "lazy"])
 def test_state_dicts_are_copied_by_address_with_no_byte_view_per_save_and_load_back_each_step(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lazy: bool) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> None:
+    from datastates.save import pipeline as pipeline_mod
+
     model = _mixed_module()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     views = _CountingViews(monkeypatch)
+    held: list[bool] = []  # per slot the writer takes: whether the job still holds the tensors read by address
+    real_write = pipeline_mod.Pipeline._write
+
+    def write(self: Any, job: Any, slot: Any, fut: Any) -> int:
+        held.append(job.holds is not None)
+        return real_write(self, job, slot, fut)
+
+    monkeypatch.setattr(pipeline_mod.Pipeline, "_write", write)
     with ds.Store.open(tmp_path / "s", chunk_size=64 << 10) as store:
-        handles, expected, made = [], [], []
+        versions, expected, made, kept = [], [], [], []
         for step in range(6):
             for p in model.parameters():
                 p.grad = torch.ones_like(p)
@@ -733,28 +743,33 @@ def test_state_dicts_are_copied_by_address_with_no_byte_view_per_save_and_load_b
             model[2].num_batches_tracked += 1
             state = {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
             expected.append(copy.deepcopy(state))
-            before = views.n
-            handles.append(store.save_async(state, lazy=lazy))
-            del state  # the save holds the tensor objects it reads by address until its copy is done
-            if lazy:
-                handles[-1].wait_staged()  # a lazy save copies in the background: the caller waits for this
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.mul_(-1)  # before the version is durable: the save has its bytes already
-            handles[-1].result()
+            before, held[:] = views.n, []
+            if mode == "save":
+                versions.append(store.save(state))
+            else:
+                handle = store.save_async(state, lazy=mode == "lazy")
+                del state  # the save holds the tensor objects it reads by address until its copy is done
+                if mode == "lazy":
+                    handle.wait_staged()  # a lazy save copies in the background: the caller waits for this
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(-1)  # before the version is durable: the save has its bytes already
+                versions.append(handle.result())
             made.append(views.n - before)
+            kept.append(all(held) and bool(held))
         record = store._saver.flattener._last
-        backs = [store.load(h.result()) for h in handles]
+        backs = [store.load(v) for v in versions]
     assert record is not None and record.refs is None and record.plans is not None
     assert record.plans.raw is not None and len(record.plans.addressed) == 1
     # first save: its objects' record; second: a record of new objects; third: its layout kept, and addressed;
-    # then no byte view at all: every tensor is copied from where the record says it is
+    # then no byte view at all: every tensor is copied (or read in place) from where the record says it is
     assert made[3:] == [0, 0, 0] and made[2] > 0
+    if mode == "save":
+        # A sync save's slots are read in place (hashing, the pack write) after its capture: held till then.
+        assert kept[3:] == [True, True, True]
     for back, exp in zip(backs, expected):
         assert _equal(back["model"], exp["model"]) and back["step"] == exp["step"]
         assert _equal(back["optim"]["state"], exp["optim"]["state"])
-
-
 def test_other_storages_at_the_same_address_are_copied_by_address_and_named_in_the_signatures(
         tmp_path: Path) -> None:
     # A new storage over the same numpy buffer on every save: the address and signature match the record, the

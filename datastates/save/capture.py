@@ -90,9 +90,10 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
     `plans`, when given, keeps that layout for host-only jobs whose rows and byte views are the very same objects' (a
     cached flatten, `FlattenCache`): a repeated capture then only splits each slot and copies. `Layouts` marked
     `unbound` (a kept flatten of new tensor objects every save) keep it without its byte views, and each capture
-    binds it to the job's own (`SlotPlan.bound`); where their rows are contiguous host tensors (`Layouts.raw`), a
-    capture that copies keeps it bound to byte views made from the rows' addresses (`Layouts.addressed`) and
-    later jobs, whose rows then have no byte views, copy through it as it is (`job.holds` keeps their tensors).
+    binds it to the job's own (`SlotPlan.bound`); where their rows are contiguous host tensors (`Layouts.raw`), it
+    is also kept bound to byte views made from the rows' addresses (`Layouts.addressed`), and later jobs, whose
+    rows then have no byte views, copy (or borrow) through it as it is: `job.holds` keeps their tensors until the
+    copy is done, or with `borrow` until the pipeline is done with the job.
 
     Always ends the job's slot stream (with None), even on error.
     """
@@ -117,7 +118,7 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
                     plans[key] = [step.bound(None, job.chunk_size) for step in steps] if unbound else steps
             elif unbound:
                 steps = [step.bound([e.source for e in job.entries], job.chunk_size) for step in steps]
-            if isinstance(plans, Layouts) and plans.unbound and not borrow and plans.raw is not None:
+            if isinstance(plans, Layouts) and plans.unbound and plans.raw is not None:
                 plans.addressed[key] = [step.bound(plans.raw, job.chunk_size) for step in plans[key]]
         ahead = Budget(_IN_PLACE_AHEAD)
         for step in steps:
@@ -153,7 +154,9 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
         job.timings["staging_s"] = time.perf_counter() - t0
         job.slots.put(None)
         job.go.set()
-        job.drop_sources()  # no reference to the caller's tensors past the capture
+        # No reference to the caller's tensors past the capture, but those a borrowing capture's slots read by
+        # address (`job.holds`): the pipeline reads them until it is done with the job.
+        job.drop_sources(keep_holds=borrow)
         job.handle._set_staged()
         if order is not None:
             order.done(job.ticket)

@@ -208,8 +208,10 @@ class SaveJob:
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""
     holds: list[torch.Tensor] | None = None
-    """The caller's tensors, held until the capture is over when the rows have no byte views of them (a kept
-    flatten's addressed layout reads their memory by address: `tree.Layouts.addressed`)."""
+    """The caller's tensors when the rows have no byte views of them (a kept flatten's addressed layout reads
+    their memory by address: `tree.Layouts.addressed`): held until the capture is over, or for a capture that
+    borrows (its slots are read in place by the hashing workers and the writer) until the pipeline is done with
+    the job."""
     _keep_sources: bool = True
 
     @property
@@ -230,11 +232,13 @@ class SaveJob:
                         e.source = None
             return self.rows
 
-    def drop_sources(self) -> None:
-        """Forget the caller's tensors (the capture is over): now on rows already made, or on those made later.
-        Never waits for rows being made."""
+    def drop_sources(self, keep_holds: bool = False) -> None:
+        """Forget the caller's tensors (the capture is over): now on rows already made, or on those made later;
+        `holds` too unless `keep_holds` (the pipeline drops them when it is done with the job). Never waits for
+        rows being made."""
         self._keep_sources = False
-        self.holds = None
+        if not keep_holds:
+            self.holds = None
         rows = self.rows
         if isinstance(rows, list):
             for e in rows:

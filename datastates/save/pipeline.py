@@ -261,6 +261,7 @@ class Pipeline:
                     self._on_error(job, exc)
                 job.handle._finish(None, exc)
             finally:
+                job.holds = None  # what a borrowing capture's slots read by address: nothing reads them now
                 with self._cv:
                     self._inflight -= 1
                     self._cv.notify_all()

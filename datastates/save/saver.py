@@ -81,11 +81,12 @@ class Saver:
         group = comm if comm is not None and comm.size > 1 else None  # a collective save's ranks
         # Rows the caller needs now (a collective plan, reuse_unchanged) are made now; otherwise the pipeline
         # makes them, if the flatten was a cached one.
-        # A capture that copies (does not borrow) may copy through the kept flatten's addressed layout.
-        copies = lazy or not overlap
+        # The capture's layout key (a sync save borrows: see `capture`), under which the kept flatten may have an
+        # addressed layout.
+        borrow = overlap and not lazy and group is None
         tree, rows, plans, encoded, holds = self.flattener.flatten_kept(
             state, allow_pickle=allow_pickle, defer=group is None and not reuse_unchanged,
-            address_key=(self.chunk_size, self.pool.slot_bytes, False) if copies else None)
+            address_key=(self.chunk_size, self.pool.slot_bytes, borrow))
         handle = SaveHandle()
         job = SaveJob(tree, rows, request, handle, self.chunk_size, t0=t_call,
                       ticket=self._capture_order.ticket(), encoded=encoded, holds=holds)
@@ -108,7 +109,7 @@ class Saver:
             # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
             # A sync save's copies race its hashing workers for the cores, and a faster capture only fills more of
             # the pool ahead of the writer (small x1: 176 -> 400 MiB of slots): the copier serves the others.
-            capture(job, self.pool, cuda, self._capture_order, borrow=overlap and job.dist is None, plans=plans,
+            capture(job, self.pool, cuda, self._capture_order, borrow=borrow and job.dist is None, plans=plans,
                     copier=None if overlap else self.copier)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle

@@ -530,11 +530,11 @@ class _Flattened:
         tensor now): building 8,000 rows took ~5 ms of a 50 ms `save_async`, and the background can do it.
         Version counters are read here either way.
 
-        With `address_key` (a capture's layout key, for a capture that copies and does not borrow), a record of
-        other objects every save whose layouts have an addressed layout under that key (`Layouts.addressed`)
-        gives rows without byte views, made later, and the state's tensors: the capture copies through the
-        addressed layout, and must hold them until it is done. The bytes are read where this save's tensors
-        are, as the signature check confirmed."""
+        With `address_key` (the capture's layout key), a record of other objects every save whose layouts have an
+        addressed layout under that key (`Layouts.addressed`) gives rows without byte views, made later, and the
+        state's tensors: the capture copies (or borrows) through the addressed layout, and the job must hold them
+        while their bytes are read. The bytes are read where this save's tensors are, as the signature check
+        confirmed."""
         tensors: list[torch.Tensor] = []
         tree = _walk(state, self.tree, tensors, self.plain)
         if tree is None or len(tensors) != self.count:
@@ -602,8 +602,8 @@ class Layouts(dict[Any, Any]):
         """For `unbound` layouts of contiguous host tensors: per row, a byte view made from the address of its
         tensor's bytes, owning nothing (`_Flattened._raw_sources`); None otherwise."""
         self.addressed: dict[Any, Any] = {}
-        """By capture key (copies only, no borrowing): the layout bound to `raw`, made once and used as it is by
-        every capture of a state that matches the record (`capture`): no byte view made per tensor per save."""
+        """By capture key: the layout bound to `raw`, made once and used as it is by every capture of a state that
+        matches the record (`capture`): no byte view made per tensor per save."""
 
 
 _deref = weakref.ref.__call__
