@@ -106,6 +106,9 @@ def test_checkpoints_of_a_training_run_reuse_the_flatten_after_the_second(tmp_pa
         trainer.fit(model, _data())
         assert len(store.log("run")) == 5
         assert len(flattens) == 2  # the first checkpoint, and the second, which makes the record the others reuse
+        record = store._saver.flattener._last
+        # the third laid the capture out over the tensors' addresses, and the last two copied through that layout
+        assert record is not None and record.plans is not None and len(record.plans.addressed) == 1
         last = store.load("run")
         assert torch.equal(last["state_dict"]["net.weight"], model.net.weight.detach())
         momentum = trainer.optimizers[0].state[model.net.weight]["momentum_buffer"]
