@@ -36,16 +36,23 @@ def _same_as_fresh(cache: FlattenCache, state: Any, sig: bool = True) -> None:
     assert all(not e.chunks and not e.stats for e in rows)
 
 
-class _Counting:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+class _Calls:
+    """Counts the calls of `owner.name` (`n`) for the test's duration."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> None:
         self.n = 0
-        real = tree_mod.Flattener.flatten
+        real = getattr(owner, name)
 
-        def counted(f: Any, state: Any) -> Any:
+        def counted(*args: Any, **kw: Any) -> Any:
             self.n += 1
-            return real(f, state)
+            return real(*args, **kw)
 
-        monkeypatch.setattr(tree_mod.Flattener, "flatten", counted)
+        monkeypatch.setattr(owner, name, counted)
+
+
+def _count_flattens(monkeypatch: pytest.MonkeyPatch) -> _Calls:
+    """Full flattens (`Flattener.flatten`)."""
+    return _Calls(monkeypatch, tree_mod.Flattener, "flatten")
 
 
 def _state() -> dict[str, Any]:
@@ -57,7 +64,7 @@ def _state() -> dict[str, Any]:
 
 def test_same_state_is_flattened_once_and_reads_the_new_values(monkeypatch: pytest.MonkeyPatch) -> None:
     st = _state()
-    count = _Counting(monkeypatch)
+    count = _count_flattens(monkeypatch)
     cache = FlattenCache()
     cache.flatten(st)
     with torch.no_grad():
@@ -187,7 +194,7 @@ def test_state_dicts_of_new_tensor_objects_every_save_reuse_a_record_that_holds_
     cache.flatten({"model": model.state_dict()})  # a record of its objects, gone with them
     cache.flatten({"model": model.state_dict()})  # others at the same addresses: a record that holds none
     assert cache._last is not None and cache._last.refs is None
-    count = _Counting(monkeypatch)
+    count = _count_flattens(monkeypatch)
     for _ in range(3):
         with torch.no_grad():
             model[0].weight.add_(1)
@@ -256,7 +263,7 @@ def test_saves_of_state_dicts_plan_their_layout_once_and_load_back_each_step(
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(1024, 320), torch.nn.Linear(320, 7), torch.nn.LayerNorm(7))
     opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    plans = _CountingPlans(monkeypatch)
+    plans = _count_plans(monkeypatch)
     with ds.Store.open(tmp_path / "s", chunk_size=64 << 10) as store:
         versions, expected = [], []
         for _ in range(5):
@@ -329,23 +336,16 @@ def _contiguous_state() -> dict[str, Any]:
     return st
 
 
-class _CountingPlans:
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.n = 0
-        real = capture_mod.plan
-
-        def counted(*args: Any, **kw: Any) -> Any:
-            self.n += 1
-            return real(*args, **kw)
-
-        monkeypatch.setattr(capture_mod, "plan", counted)
+def _count_plans(monkeypatch: pytest.MonkeyPatch) -> _Calls:
+    """Capture layouts planned anew (`capture.plan`)."""
+    return _Calls(monkeypatch, capture_mod, "plan")
 
 
 def test_a_repeated_capture_reuses_its_slot_layout_and_copies_the_new_bytes(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # 300 tensors of odd sizes (alignment padding between pieces) through a 2-slot pool of 1 MiB slots.
     st = {f"p{i}": torch.full((1 + (i * 37) % 4000,), float(i)) for i in range(300)}
-    plans = _CountingPlans(monkeypatch)
+    plans = _count_plans(monkeypatch)
     with ds.Store.open(tmp_path / "s", pool_bytes=2 * 2**20) as store:
         handles, expected = [], []
         for _ in range(4):
@@ -554,7 +554,7 @@ def test_a_module_and_its_optimizer_are_flattened_once_across_training_steps(mon
     objects from step to step, so the flatten is reused; each reuse gives what a fresh flatten gives."""
     model, opt = _trained_module(0)
     st = {"model": model, "optim": opt, "step": 1}
-    count = _Counting(monkeypatch)
+    count = _count_flattens(monkeypatch)
     cache = FlattenCache()
     cache.flatten(st)
     for i in range(3):
@@ -603,7 +603,7 @@ def test_a_changed_module_is_flattened_anew(change: str, monkeypatch: pytest.Mon
     st: dict[str, Any] = {"model": model, "optim": opt}
     cache = FlattenCache()
     cache.flatten(st)
-    count = _Counting(monkeypatch)
+    count = _count_flattens(monkeypatch)
     if change == "another module":
         st["model"] = _trained_module(3)[0]  # the same class and keys, other tensors
     elif change == "another class":
@@ -619,7 +619,7 @@ def test_a_changed_module_is_flattened_anew(change: str, monkeypatch: pytest.Mon
 def test_saves_of_a_module_in_a_training_loop_load_back_each_step(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt = _trained_module(4)
-    count = _Counting(monkeypatch)
+    count = _count_flattens(monkeypatch)
     wants, versions = [], []
     with ds.Store.open(tmp_path / "s") as store:
         for lazy in (False, True, False, True):
@@ -645,7 +645,7 @@ def test_a_part_without_tensors_may_change_shape_and_the_flatten_is_still_reused
     """A Trainer's state beside the tensors (its log grows every save) takes no new flatten of the tensors."""
     st = _state()
     st["trainer"] = {"log": [{"loss": 1.0}], "best": None, "args": ["lr", 0.1]}
-    count = _Counting(monkeypatch)
+    count = _count_flattens(monkeypatch)
     cache = FlattenCache()
     cache.flatten(st)
     for i in range(3):
@@ -667,7 +667,7 @@ def test_a_part_without_tensors_that_gains_one_or_a_refused_value_is_flattened_a
     st["trainer"] = {"log": [{"loss": 1.0}]}
     cache = FlattenCache()
     cache.flatten(st)
-    count = _Counting(monkeypatch)
+    count = _count_flattens(monkeypatch)
     st["trainer"]["log"].append({"grad_norm": torch.tensor(0.5)})
     _same_as_fresh(cache, st)
     assert count.n == 2  # the cache's own flatten and the fresh comparison
@@ -693,18 +693,9 @@ def test_the_cache_keeps_no_storage_of_a_module_alive_after_the_module_and_its_o
     assert cache._last is None and storage() is None
 
 
-class _CountingViews:
-    """Counts the byte views a flatten makes of its tensors (`tree._bytes_of`)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.n = 0
-        real = tree_mod._bytes_of
-
-        def counted(t: torch.Tensor) -> torch.Tensor:
-            self.n += 1
-            return real(t)
-
-        monkeypatch.setattr(tree_mod, "_bytes_of", counted)
+def _count_views(monkeypatch: pytest.MonkeyPatch) -> _Calls:
+    """Byte views a flatten makes of its tensors (`tree._bytes_of`)."""
+    return _Calls(monkeypatch, tree_mod, "_bytes_of")
 
 
 def _mixed_module() -> torch.nn.Module:
@@ -725,7 +716,7 @@ def test_state_dicts_are_copied_by_address_with_no_byte_view_per_save_and_load_b
 
     model = _mixed_module()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    views = _CountingViews(monkeypatch)
+    views = _count_views(monkeypatch)
     held: list[bool] = []  # per slot the writer takes: whether the job still holds the tensors read by address
     real_write = pipeline_mod.Pipeline._write
 

@@ -103,13 +103,14 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
         if cuda is not None:
             cuda.stream.wait_stream(torch.cuda.current_stream())
         key = (job.chunk_size, pool.slot_bytes, borrow)
-        unbound = isinstance(plans, Layouts) and plans.unbound
-        addressed = plans.addressed.get(key) if isinstance(plans, Layouts) else None
-        if addressed is not None:
-            steps = addressed  # the job's rows have no byte views: `job.holds` keeps what these views read
+        layouts = plans if isinstance(plans, Layouts) else None
+        unbound = layouts is not None and layouts.unbound
+        if job.holds is not None:
+            # Rows without byte views: the flatten gave them only because this layout exists. It reads the
+            # tensors `job.holds` keeps, by address.
+            assert layouts is not None and key in layouts.addressed, "a job without byte views needs its layout"
+            steps = layouts.addressed[key]
         else:
-            if job.holds is not None:
-                raise AssertionError("a job without byte views needs an addressed layout")
             steps = plans.get(key) if plans is not None else None
             if steps is None:
                 steps = plan(job.entries, job.chunk_size, pool.slot_bytes, borrow)
@@ -118,8 +119,8 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
                     plans[key] = [step.bound(None, job.chunk_size) for step in steps] if unbound else steps
             elif unbound:
                 steps = [step.bound([e.source for e in job.entries], job.chunk_size) for step in steps]
-            if isinstance(plans, Layouts) and plans.unbound and plans.raw is not None:
-                plans.addressed[key] = [step.bound(plans.raw, job.chunk_size) for step in plans[key]]
+            if layouts is not None and layouts.raw is not None and key not in layouts.addressed:
+                layouts.addressed[key] = [step.bound(layouts.raw, job.chunk_size) for step in layouts[key]]
         ahead = Budget(_IN_PLACE_AHEAD)
         for step in steps:
             if step.borrowed is not None:
