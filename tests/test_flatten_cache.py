@@ -217,6 +217,28 @@ def test_a_record_of_new_objects_keeps_no_storage_alive(tmp_path: Path) -> None:
         assert store._saver.flattener._last is record
 
 
+def test_a_kept_flatten_holds_one_storage_reference_shape_and_device_name_per_tensor() -> None:
+    """A first save of thousands of small tensors peaks in memory at its end (issue 13's peak-RSS bound): the
+    record and its rows share each tensor's storage reference and shape, and every row of one device its name."""
+    state = {f"t{i}": torch.full((3, i % 5 + 1), float(i)) for i in range(300)}
+
+    def weak_refs() -> int:
+        return sum(isinstance(o, StorageWeakRef) for o in gc.get_objects())
+
+    cache = FlattenCache()
+    gc.collect()
+    before = weak_refs()
+    _, rows = cache.flatten(state)
+    record = cache._last
+    assert record is not None
+    gc.collect()
+    assert weak_refs() - before == 300
+    assert len({id(e.device) for e in rows}) == 1
+    assert all(record.sigs[3][i] is rows[row].shape for row, i in zip(record.signed, record.sig_of))
+    assert [r.sig for r in cache.flatten(state)[1]] == [e.sig for e in rows]  # the next save's rows match them
+    _same_as_fresh(cache, state)
+
+
 def test_states_of_other_objects_in_turn_keep_no_record() -> None:
     a, b = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)  # a population's members saved to one store in turn
     cache = FlattenCache()

@@ -266,28 +266,42 @@ class Flattener:
                 for m in members[1:]:
                     mp, mt = self._tensors[m]
                     row_of[m] = len(self.entries)
-                    self.entries.append(TensorEntry(mp, mt.dtype, tuple(mt.shape), str(mt.device), "alias",
+                    self.entries.append(TensorEntry(mp, mt.dtype, tuple(mt.shape), _device_name(mt.device), "alias",
                                                     base=row_of[i]))
                 continue
             storage = t.untyped_storage()
             whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
             srow = len(self.entries)
-            self.entries.append(TensorEntry(f"~storage/{srow}", torch.uint8, (storage.nbytes(),), str(t.device),
-                                            "storage", source=whole, nbytes=storage.nbytes()))
+            self.entries.append(TensorEntry(f"~storage/{srow}", torch.uint8, (storage.nbytes(),),
+                                            _device_name(t.device), "storage", source=whole,
+                                            nbytes=storage.nbytes()))
             for m in members:
                 mp, mt = self._tensors[m]
                 row_of[m] = len(self.entries)
-                self.entries.append(TensorEntry(mp, mt.dtype, tuple(mt.shape), str(mt.device), "view", base=srow,
-                                                offset=int(mt.storage_offset()), stride=tuple(mt.stride())))
+                self.entries.append(TensorEntry(mp, mt.dtype, tuple(mt.shape), _device_name(mt.device), "view",
+                                                base=srow, offset=int(mt.storage_offset()),
+                                                stride=tuple(mt.stride())))
         self.tensor_rows = [row_of[i] for i in range(len(self._tensors))]
 
     def _add_tensor(self, path: str, t: torch.Tensor) -> int:
         src = _bytes_of(t)
-        dev, shape = str(t.device), tuple(t.shape)
+        dev, shape = _device_name(t.device), tuple(t.shape)
         sig = (t.data_ptr(), t._version, t.dtype, shape, tuple(t.stride()), dev, StorageWeakRef(t.untyped_storage()))
         self.entries.append(TensorEntry(path, t.dtype, shape, dev, "tensor", source=src, nbytes=src.numel(),
                                         sig=sig))
         return len(self.entries) - 1
+
+
+_DEVICE_NAMES: dict[torch.device, str] = {}
+
+
+def _device_name(device: torch.device) -> str:
+    """`str(device)`, one string object per device: every row of a state of thousands of tensors keeps its
+    device's name, and the first save of such a state peaks in memory at its end (issue 13's bound)."""
+    name = _DEVICE_NAMES.get(device)
+    if name is None:
+        name = _DEVICE_NAMES.setdefault(device, str(device))
+    return name
 
 
 def flatten(state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
@@ -464,6 +478,9 @@ class _Flattened:
         its nodes'."""
         _plain_containers(tree, self.plain)
         self.sigs = _signature(tensors)
+        # Each tensor's shape as its row holds it (a tuple, equal to the tensor's torch.Size), not one more object
+        # per tensor kept for as long as the record.
+        self.sigs[3] = [f.entries[row].shape for row in f.tensor_rows]
         tensor_of = {row: i for i, row in enumerate(f.tensor_rows)}
         # The rows as columns, so a reuse builds its fresh rows with one `map` (no Python loop per row).
         self.columns: list[list[Any]] = [[], [], [], [], [], [], [], [], [], []]
@@ -472,10 +489,12 @@ class _Flattened:
         self.signed: list[int] = []
         """The 'tensor' rows (each gets a fresh `sig`), and the tensor each one stores, in `sig_of`."""
         self.sig_of: list[int] = []
+        storages: list[object] = []  # the storage references `Flattener._add_tensor` made (not one more per tensor)
         for row, e in enumerate(f.entries):
             src = e.source
             if e.kind == "tensor":
-                assert src is not None
+                assert src is not None and e.sig is not None
+                storages.append(e.sig[6])
                 i = tensor_of[row]
                 t = tensors[i]
                 # A byte view is reused only if it reads the tensor's own memory (not a contiguous copy); an
@@ -492,8 +511,7 @@ class _Flattened:
                 col.append(v)
         self._sig_cols = [[self.sigs[1][i] for i in self.sig_of]] + [
             [self.columns[c][row] for row in self.signed] for c in (1, 2)] + [
-            [self.sigs[4][i] for i in self.sig_of], [self.columns[3][row] for row in self.signed],
-            [StorageWeakRef(tensors[i].untyped_storage()) for i in self.sig_of]]
+            [self.sigs[4][i] for i in self.sig_of], [self.columns[3][row] for row in self.signed], storages]
         self.own_sources = not self.copied
         """Every stored row reads through a byte view this record keeps (no contiguous copy made per save):
         each save's rows have the very same sources, so `plans` may hold them."""
