@@ -217,9 +217,10 @@ def test_a_record_of_new_objects_keeps_no_storage_alive(tmp_path: Path) -> None:
         assert store._saver.flattener._last is record
 
 
-def test_a_kept_flatten_holds_one_storage_reference_shape_and_device_name_per_tensor() -> None:
+def test_a_kept_flatten_holds_one_storage_reference_shape_strides_and_device_name_per_tensor() -> None:
     """A first save of thousands of small tensors peaks in memory at its end (issue 13's peak-RSS bound): the
-    record and its rows share each tensor's storage reference and shape, and every row of one device its name."""
+    record and its rows share each tensor's storage reference, shape and strides, and every row of one device its
+    name."""
     state = {f"t{i}": torch.full((3, i % 5 + 1), float(i)) for i in range(300)}
 
     def weak_refs() -> int:
@@ -234,7 +235,11 @@ def test_a_kept_flatten_holds_one_storage_reference_shape_and_device_name_per_te
     gc.collect()
     assert weak_refs() - before == 300
     assert len({id(e.device) for e in rows}) == 1
-    assert all(record.sigs[3][i] is rows[row].shape for row, i in zip(record.signed, record.sig_of))
+    for row, i in zip(record.signed, record.sig_of):
+        sig = rows[row].sig
+        assert sig is not None
+        assert (record.sigs[1][i], record.sigs[3][i], record.sigs[4][i]) == (sig[0], rows[row].shape, sig[4])
+        assert record.sigs[3][i] is rows[row].shape and record.sigs[4][i] is sig[4]
     assert [r.sig for r in cache.flatten(state)[1]] == [e.sig for e in rows]  # the next save's rows match them
     _same_as_fresh(cache, state)
 

@@ -479,7 +479,7 @@ class _Flattened:
         _plain_containers(tree, self.plain)
         self.sigs = _signature(tensors)
         # Each tensor's shape as its row holds it (a tuple, equal to the tensor's torch.Size), not one more object
-        # per tensor kept for as long as the record.
+        # per tensor for as long as the record.
         self.sigs[3] = [f.entries[row].shape for row in f.tensor_rows]
         tensor_of = {row: i for i, row in enumerate(f.tensor_rows)}
         # The rows as columns, so a reuse builds its fresh rows with one `map` (no Python loop per row).
@@ -489,13 +489,16 @@ class _Flattened:
         self.signed: list[int] = []
         """The 'tensor' rows (each gets a fresh `sig`), and the tensor each one stores, in `sig_of`."""
         self.sig_of: list[int] = []
-        storages: list[object] = []  # the storage references `Flattener._add_tensor` made (not one more per tensor)
+        # A stored tensor's address, strides and storage reference as its row's signature holds them (equal to the
+        # getters' results), not one more object each for as long as the record.
+        ptrs, strides, storages = self.sigs[1], self.sigs[4], []
         for row, e in enumerate(f.entries):
             src = e.source
             if e.kind == "tensor":
                 assert src is not None and e.sig is not None
-                storages.append(e.sig[6])
                 i = tensor_of[row]
+                ptrs[i], strides[i] = e.sig[0], e.sig[4]
+                storages.append(e.sig[6])
                 t = tensors[i]
                 # A byte view is reused only if it reads the tensor's own memory (not a contiguous copy); an
                 # empty one reads nothing.
