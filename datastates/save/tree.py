@@ -292,16 +292,11 @@ class Flattener:
         return len(self.entries) - 1
 
 
-_DEVICE_NAMES: dict[torch.device, str] = {}
-
-
+@functools.cache
 def _device_name(device: torch.device) -> str:
     """`str(device)`, one string object per device: every row of a state of thousands of tensors keeps its
     device's name, and the first save of such a state peaks in memory at its end (issue 13's bound)."""
-    name = _DEVICE_NAMES.get(device)
-    if name is None:
-        name = _DEVICE_NAMES.setdefault(device, str(device))
-    return name
+    return str(device)
 
 
 def flatten(state: Any, allow_pickle: bool = False) -> tuple[dict[str, Any], list[TensorEntry]]:
