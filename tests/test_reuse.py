@@ -197,3 +197,28 @@ def test_the_tensors_a_reuse_save_captures_are_hashed_from_their_copy(
         assert views == [40, 40]
     assert all(torch.equal(got[k], want[k]) for k in state)
     assert rows["s17"]["max"] == float(want["s17"].max())
+
+
+def test_a_reuse_save_keeps_the_committed_rows_of_unchanged_tensors(tmp_path: Path) -> None:
+    """An unchanged tensor's row in a reuse save is the very row committed for it before (no new row, chunk list
+    or signature per unchanged tensor); a changed tensor gets a new row, which the next save keeps in turn. Every
+    version still loads its own bytes and lists its own statistics."""
+    s = ds.Store.open(tmp_path / "s", reuse_unchanged=True)
+    state = _state()
+    saved = []
+    for change in (None, "t3", "t5"):
+        if change is not None:
+            state[change].mul_(2)
+        v = s.save(state)
+        s._saver.pipeline.settled.wait()  # the record of the commit (`Saver.remember`) is made after it returns
+        saved.append((v, {k: t.clone() for k, t in state.items()}, dict(s._saver.memory.by_key)))
+    (v1, _, rows1), (v2, _, rows2), (v3, _, rows3) = saved
+    assert [k for k in state if rows2[k] is not rows1[k]] == ["t3"]
+    assert [k for k in state if rows3[k] is not rows2[k]] == ["t5"]
+    assert rows3["t3"] is rows2["t3"] and rows2["t3"].chunks != rows1["t3"].chunks
+    assert (v2.bytes_new, v3.bytes_new) == (64 * 1024 * 4, 64 * 1024 * 4)
+    for v, values, _ in saved:
+        loaded = s.load(v)
+        assert all(torch.equal(loaded[k], values[k]) for k in state)
+        assert {i.key: i.stats["max"] for i in s.ls(v)} == {k: t.max().item() for k, t in values.items()}
+    s.close()

@@ -135,10 +135,9 @@ class Saver:
 
     def remember(self, job: SaveJob) -> None:
         """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`. Keeps the
-        committed rows themselves (nothing changes them after the commit: no tuple per row). A reuse copies the
-        chunk lists (the pipeline appends to a row's list) and shares the stats dicts, which nothing changes once
-        made, as the pipeline does for known stats. Runs on the pipeline thread once the caller has its version
-        (`Pipeline.settled` is clear until it is done)."""
+        committed rows themselves (nothing changes them after the commit: no tuple per row); a reuse puts them in
+        its job in place of the rows of unchanged tensors (`_reuse_unchanged`). Runs on the pipeline thread once the
+        caller has its version (`Pipeline.settled` is clear until it is done)."""
         memory = self.memory
         if job.drops != memory.drops:
             # Rows kept under another token may name chunks dropped since: only this job's are known indexed.
@@ -158,10 +157,11 @@ class Saver:
         self.pipeline.settled.wait()
         candidates = []
         by_key = self.memory.by_key
-        for e in job.entries:
+        entries = job.entries
+        for i, e in enumerate(entries):
             last = by_key.get(e.key) if e.kind == "tensor" else None
             if last is not None and last.sig == e.sig:
-                candidates.append((e, last))
+                candidates.append((i, last))
         wanted = [c for _, last in candidates for c in last.chunks]
         if not candidates:
             return False
@@ -172,8 +172,13 @@ class Saver:
         if (drops is None or drops != self.memory.drops) and not all(self.dedup(job, wanted)):
             return False  # something was pruned, collected or evicted since: copy everything
         job.reused, job.reused_under = wanted, drops
-        for e, last in candidates:
-            e.chunks, e.stats, e.piece_stats, e.source = list(last.chunks), last.stats, last.piece_stats, None
+        # The committed row itself stands for its unchanged tensor: a 'tensor' row is its key and signature (which
+        # fix dtype, shape, stride and device), its chunks and its stats, all equal here, and nothing changes a row
+        # once committed (the pipeline appends chunks only to the rows it captures; this one has no source). So a
+        # save that changed 800 of 8,000 tensors leaves 800 new rows for the collector, not 8,000 rows with as
+        # many chunk lists and signatures (24,900 young objects, a 7-18 ms collection on the caller's thread).
+        for i, last in candidates:
+            entries[i] = last
         return True
 
     def _wait_before_step(self, optimizer: torch.optim.Optimizer, handle: SaveHandle) -> None:
