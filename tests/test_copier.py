@@ -121,11 +121,11 @@ def test_save_async_of_a_cached_state_makes_its_rows_on_the_pipeline(tmp_path: P
     hold = threading.Event()
     real = tree_mod._Flattened._rows
 
-    def rows(self: Any, versions: list[int], tensors: Any) -> Any:
+    def rows(self: Any, versions: list[int], tensors: Any, **kw: Any) -> Any:
         made_on.append(threading.current_thread().name)
         if threading.current_thread().name == "datastates-pipeline":  # wait until the caller has changed "a"
             assert hold.wait(_WAIT)
-        return real(self, versions, tensors)
+        return real(self, versions, tensors, **kw)
 
     monkeypatch.setattr(tree_mod._Flattened, "_rows", rows)
     st = {"a": torch.zeros(1000), "b": torch.ones(1000)}

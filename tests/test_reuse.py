@@ -115,8 +115,8 @@ def test_the_record_is_made_after_the_caller_has_its_version_and_the_next_save_w
         copied: list[int] = []
         real_reuse = Saver._reuse_unchanged
 
-        def reuse(self: Saver, job: Any) -> bool:
-            out = real_reuse(self, job)
+        def reuse(self: Saver, job: Any, *args: Any) -> bool:
+            out = real_reuse(self, job, *args)
             copied.append(sum(e.source is not None for e in job.entries if e.kind == "tensor"))
             return out
 
@@ -145,8 +145,8 @@ def test_a_gc_between_the_call_and_the_pipeline_fails_the_save_and_the_next_one_
     real = Saver._reuse_unchanged
     collected: list[int] = []
 
-    def reuse_then_collect(self: Saver, job: Any) -> bool:
-        reused = real(self, job)
+    def reuse_then_collect(self: Saver, job: Any, *args: Any) -> bool:
+        reused = real(self, job, *args)
         if reused and not collected:
             collected.append(gc(s).chunks_dropped)
         return reused
@@ -221,4 +221,57 @@ def test_a_reuse_save_keeps_the_committed_rows_of_unchanged_tensors(tmp_path: Pa
         loaded = s.load(v)
         assert all(torch.equal(loaded[k], values[k]) for k in state)
         assert {i.key: i.stats["max"] for i in s.ls(v)} == {k: t.max().item() for k, t in values.items()}
+    s.close()
+
+
+def test_a_reuse_save_through_the_kept_flatten_makes_rows_only_for_changed_tensors(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept flatten gives an unchanged tensor its committed row without making a fresh one first: a reuse save
+    that changed 2 of 10 tensors makes 2 rows. One whose chunks a gc may have dropped since (the catalog's drop
+    token moved) makes every row and looks the chunks up, as before; a plain save makes every row. Every version
+    loads its own bytes."""
+    from datastates.maintenance.gc import gc
+    from datastates.retention import KeepIf, prune
+    from datastates.save import tree as tree_mod
+
+    made: list[int] = []
+    real = tree_mod.TensorEntry
+
+    def counting(*args: Any, **kw: Any) -> Any:
+        made.append(1)
+        return real(*args, **kw)
+
+    s = ds.Store.open(tmp_path / "s", reuse_unchanged=True)
+    state = _state()
+    s.save(state)  # the first flatten, kept
+    s.save(state)  # through the kept flatten: every row its committed one
+    monkeypatch.setattr(tree_mod, "TensorEntry", counting)
+    saved = []
+    for changed, expect in ((("t3", "t5"), 2), (("t1",), 1), ((), 0)):
+        for k in changed:
+            state[k].add_(1)
+        s._saver.pipeline.settled.wait()
+        made.clear()
+        v = s.save(state)
+        assert len(made) == expect, changed
+        assert v.bytes_new == expect * 64 * 1024 * 4
+        saved.append((v, {k: t.clone() for k, t in state.items()}))
+    with ds.Store.open(tmp_path / "s") as other:  # another handle: `s` keeps its kept flatten
+        side = other.save({"other": torch.ones(3)}, branch="side")
+        other.delete_branch("side", force=True)
+        prune(other, KeepIf(lambda v: v.id != side.id))
+        assert gc(other).chunks_dropped == 1  # a chunk left the index: the remembered rows' are looked up again
+    state["t0"].add_(1)
+    s._saver.pipeline.settled.wait()
+    made.clear()
+    v = s.save(state)
+    assert len(made) == len(state) and v.bytes_new == 64 * 1024 * 4
+    saved.append((v, {k: t.clone() for k, t in state.items()}))
+    made.clear()
+    s.save(state, reuse_unchanged=False)
+    assert len(made) == len(state)
+    for v, values in saved:
+        loaded = s.load(v)
+        assert all(torch.equal(loaded[k], values[k]) for k in state)
+    assert s.fsck().ok
     s.close()

@@ -84,15 +84,17 @@ class Saver:
         # The capture's layout key (a sync save borrows: see `capture`), under which the kept flatten may have an
         # addressed layout.
         borrow = overlap and not lazy and group is None
+        reuse = self._reuse_token() if reuse_unchanged and group is None else None
         tree, rows, plans, encoded, holds = self.flattener.flatten_kept(
             state, allow_pickle=allow_pickle, defer=group is None and not reuse_unchanged,
-            address_key=(self.chunk_size, self.pool.slot_bytes, borrow))
+            address_key=(self.chunk_size, self.pool.slot_bytes, borrow),
+            committed=self.memory.by_key if reuse is not None and reuse[1] else None)
         handle = SaveHandle()
         job = SaveJob(tree, rows, request, handle, self.chunk_size, t0=t_call,
                       ticket=self._capture_order.ticket(), encoded=encoded, holds=holds)
         if group is not None:
             job.dist = plan(job.entries, replicated or [], group)
-        if job.dist is not None or (reuse_unchanged and self._reuse_unchanged(job)):
+        if job.dist is not None or (reuse is not None and self._reuse_unchanged(job, *reuse)):
             plans = None  # rows without their source now: a kept layout would copy them
         job.known_stats = KnownStats(job, self.memory)
         if overlap and not lazy:
@@ -149,27 +151,43 @@ class Saver:
                 e.source = None  # never keep the caller's tensors alive
                 by_key[e.key] = e
 
-    def _reuse_unchanged(self, job: SaveJob) -> bool:
-        """Point untouched tensors at the chunks and stats this store saved for them last time; True if any."""
+    def _reuse_token(self) -> tuple[bytes | None, bool]:
+        """For a `reuse_unchanged` save, before its rows are made: the catalog's `chunk_drops` token (None with
+        tiers), and whether every chunk the remembered rows name is still indexed under it (nothing dropped since
+        they were remembered), so that a row found unchanged needs no lookup and may go into the job as it is."""
         # The record of the last commit is made after its caller got the version: wait for it, or a save right
         # after another finds nothing to reuse. (An older record is never wrong, only less useful: a tensor
         # changed since has another version counter.)
         self.pipeline.settled.wait()
-        candidates = []
-        by_key = self.memory.by_key
-        entries = job.entries
-        for i, e in enumerate(entries):
-            last = by_key.get(e.key) if e.kind == "tensor" else None
-            if last is not None and last.sig == e.sig:
-                candidates.append((i, last))
-        wanted = [c for _, last in candidates for c in last.chunks]
-        if not candidates:
-            return False
-        # Read before the lookup, outside the job's guard: the pipeline checks under the guard that no chunk
-        # left the index since (`Pipeline._prepare`), or looks the reused chunks up again there.
+        # Read before the rows are chosen, outside the job's guard: the pipeline checks under the guard that no
+        # chunk left the index since (`Pipeline._prepare`), or looks the reused chunks up again there. Read
+        # after, a gc between the choice and the read (whose drops a concurrent `remember` recorded) would go
+        # unseen.
+        known = self.memory.drops
         chunk_drops = self.pipeline.chunk_drops
         drops = chunk_drops() if chunk_drops is not None else None
-        if (drops is None or drops != self.memory.drops) and not all(self.dedup(job, wanted)):
+        return drops, drops is not None and drops == known
+
+    def _reuse_unchanged(self, job: SaveJob, drops: bytes | None, indexed: bool) -> bool:
+        """Point untouched tensors at the chunks and stats this store saved for them last time; True if any.
+        `drops`, `indexed`: what `_reuse_token` told before the job's rows were made."""
+        by_key = self.memory.by_key
+        entries = job.entries
+        candidates = []
+        placed = []  # the committed rows the kept flatten put in the job (`_Flattened._rows`)
+        for i, e in enumerate(entries):
+            if e.kind != "tensor":
+                continue
+            last = by_key.get(e.key)
+            if last is e:
+                placed.append(e)
+            elif last is not None and last.sig == e.sig:
+                candidates.append((i, last))
+        if not candidates and not placed:
+            return False
+        wanted = [c for last in placed for c in last.chunks] + [c for _, last in candidates for c in last.chunks]
+        # (Rows are placed only when `indexed`: no lookup to fail, no fresh row to make again.)
+        if not indexed and not all(self.dedup(job, wanted)):
             return False  # something was pruned, collected or evicted since: copy everything
         job.reused, job.reused_under = wanted, drops
         # The committed row itself stands for its unchanged tensor: a 'tensor' row is its key and signature (which
