@@ -523,6 +523,72 @@ def test_kept_manifest_columns_give_the_same_bytes_and_follow_a_changed_leaf(tmp
             assert torch.equal(back["w"][0], st["w"][0]) and len(back["w"]) == 21
 
 
+def test_kept_chunk_and_stats_columns_are_patched_where_rows_changed_and_give_the_same_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through a kept flatten, a manifest encodes the chunk ids and statistics only of the rows whose stats dict
+    is another object or whose chunks differ from the last manifest's, and patches them into its columns; the
+    bytes are those of an encoding from scratch whatever changed: a few rows, equal values in new lists and
+    dicts, more than half of the rows, missing statistics (nulls), rows without chunks."""
+    import random
+
+    from datastates.save import manifest as mf
+
+    rng = random.Random(5)
+    st: dict[str, Any] = {"w": [torch.randn(8) for _ in range(300)], "b": torch.arange(3)}
+    tree, rows, _, kept, _ = FlattenCache().flatten_kept(st)
+    assert kept is not None and isinstance(rows, list)
+
+    def stats() -> dict[str, Any]:
+        r = rng.random()
+        if r < 0.1:
+            return {}
+        if r < 0.2:
+            return {"l2": rng.random(), "nan_count": rng.randint(0, 3), "inf_count": 0}
+        return {"min": rng.random(), "max": rng.random(), "mean": rng.random(),
+                "std": None if r < 0.3 else rng.random(), "l2": rng.random(), "nan_count": 0,
+                "inf_count": rng.randint(0, 2)}
+
+    def chunks() -> list[bytes]:
+        return [rng.randbytes(32) for _ in range(rng.randint(0, 3))]
+
+    encoded: list[int] = []
+    real = mf._varying_arrays
+
+    def counting(entries: list[Any]) -> Any:
+        encoded.append(len(entries))
+        return real(entries)
+
+    monkeypatch.setattr(mf, "_varying_arrays", counting)
+    for e in rows:
+        e.stats, e.chunks = stats(), chunks()
+    changes = [("first", len(rows)), ("none", 0), ("stats of 10", 10), ("chunks of 7, the rest new equal lists", 7),
+               ("200 rows", None), ("chunks of 1", 1), ("equal values in new dicts", len(rows))]
+    for what, expect in changes:
+        if what == "stats of 10":
+            for e in rng.sample(rows, 10):
+                e.stats = stats()
+        elif what.startswith("chunks of 7"):
+            for e in rows:
+                e.chunks = list(e.chunks)
+            for e in rng.sample(rows, 7):
+                e.chunks = [*e.chunks, rng.randbytes(32)]
+        elif what == "200 rows":
+            for e in rng.sample(rows, 200):
+                e.stats, e.chunks = stats(), chunks()
+        elif what == "chunks of 1":
+            rows[4].chunks = [rng.randbytes(32)]
+        elif what.startswith("equal values"):
+            for e in rows:
+                e.stats = dict(e.stats)
+        encoded.clear()
+        data = mf.encode(tree, rows, 1 << 20, kept)
+        assert encoded == ([] if expect == 0 else [len(rows) if expect is None else expect]), what
+        assert data == mf.encode(tree, rows, 1 << 20), what
+        back = mf.Manifest(*data).rows
+        assert [r["chunks"] for r in back] == [e.chunks for e in rows], what
+        assert [r["std"] for r in back] == [e.stats.get("std") for e in rows], what
+
+
 def test_a_manifest_is_the_arrow_file_of_its_columns_byte_for_byte() -> None:
     """`encode` builds its columns in the system pool and hands out a view of the Arrow buffer (less resident
     memory, no copy): the bytes, and so every manifest id, are those of Arrow's plain `from_pydict` file."""

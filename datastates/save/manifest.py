@@ -8,14 +8,18 @@ file's bytes.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
 import blake3
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from ..errors import IntegrityError, StoreFormatError
 from .tree import PathIndex, TensorEntry, dtype_from_name, dtype_name
@@ -65,6 +69,54 @@ def _constant_columns(entries: list[TensorEntry]) -> dict[str, pa.Array]:
     return {name: pa.array(values[name], type=SCHEMA.field(name).type, memory_pool=_POOL) for name in _CONSTANT}
 
 
+_VARYING = ("chunks", *STAT_FIELDS, *COUNT_FIELDS)
+"""The columns a save fills in: its rows' chunk ids and statistics."""
+
+
+def _varying_arrays(entries: list[TensorEntry]) -> dict[str, pa.Array]:
+    values: dict[str, list[Any]] = {"chunks": [e.chunks for e in entries]}
+    for f in (*STAT_FIELDS, *COUNT_FIELDS):
+        values[f] = [e.stats.get(f) for e in entries]
+    return {name: pa.array(values[name], type=SCHEMA.field(name).type, memory_pool=_POOL) for name in _VARYING}
+
+
+def _varying_columns(entries: list[TensorEntry], kept: dict[str, Any] | None) -> dict[str, pa.Array]:
+    """The chunk and statistics columns of `entries`. With `kept` (a kept flatten's `encoded`), the last manifest
+    encoded through it left its rows' stats dicts and chunk lists there, and its columns: a row with the very same
+    stats dict and equal chunks has the same values (stats dicts and committed chunk lists are never changed), so
+    only the other rows are encoded, and put in place by one `take` per column. A partial save of 8,000 small
+    tensors that changed 800 encodes 800 rows' values, not 8,000 (the statistics were ~4 of the 8 ms of its
+    manifest). More than half changed: encoded whole."""
+    stats = list(map(_stats_of, entries))
+    chunks = list(map(_chunks_of, entries))
+    last = kept.get("varying") if kept is not None else None
+    cols = None
+    n = len(entries)
+    if last is not None and len(last[0]) == n:
+        old_stats, old_chunks, old_cols = last
+        # Compared in C (`map`): a Python loop over 8,000 rows cost more than encoding them whole. (The identity
+        # pass first, as a list: the two passes zipped lazily took 3.4 ms per 8,000 rows, one after the other 1.2.)
+        other = list(map(operator.is_not, stats, old_stats))
+        changed = list(itertools.compress(range(n), map(operator.or_, other, map(operator.ne, chunks, old_chunks))))
+        if not changed:
+            cols = old_cols
+        elif len(changed) * 2 <= n:
+            new = _varying_arrays([entries[i] for i in changed])
+            where = np.arange(n, dtype=np.int32)
+            where[changed] = np.arange(n, n + len(changed), dtype=np.int32)
+            take = pa.array(where)
+            cols = {name: pc.take(pa.concat_arrays([old_cols[name], new[name]], memory_pool=_POOL), take,
+                                  memory_pool=_POOL) for name in _VARYING}
+    if cols is None:
+        cols = _varying_arrays(entries)
+    if kept is not None:
+        kept["varying"] = (stats, chunks, cols)
+    return cols
+
+
+_stats_of = operator.attrgetter("stats")
+_chunks_of = operator.attrgetter("chunks")
+
 _POOL = pa.system_memory_pool()
 """Where a manifest's Arrow buffers are made: the system allocator, which gives big blocks back when they are
 freed. Under Arrow's default pool (mimalloc) the columns' builders left ~10 MiB of a first save of 8,000 rows
@@ -78,7 +130,8 @@ def encode(tree: dict[str, Any], entries: list[TensorEntry], chunk_size: int,
 
     `kept` is the `encoded` dict of the kept flatten `entries` came from (`FlattenCache`): the constant
     columns and the skeleton's JSON are encoded on its first save and reused by every later one (~10 ms of
-    GIL-holding work per 8,000 rows). The bytes are the same with or without it."""
+    GIL-holding work per 8,000 rows), and the chunk and statistics columns of its last manifest are patched
+    where rows changed (`_varying_columns`). The bytes are the same with or without it."""
     const = kept.get("columns") if kept is not None else None
     if const is None or len(const["key"]) != len(entries):
         const = _constant_columns(entries)
@@ -89,16 +142,13 @@ def encode(tree: dict[str, Any], entries: list[TensorEntry], chunk_size: int,
         skeleton = (tree, json.dumps(tree, separators=(",", ":")).encode())
         if kept is not None:
             kept["tree"] = skeleton
-    cols: dict[str, Any] = {**const, "chunks": [e.chunks for e in entries]}
-    for f in (*STAT_FIELDS, *COUNT_FIELDS):
-        cols[f] = [e.stats.get(f) for e in entries]
+    cols: dict[str, Any] = {**const, **_varying_columns(entries, kept)}
     meta = {
         b"datastates.format": MANIFEST_FORMAT.encode(),
         b"datastates.tree": skeleton[1],
         b"datastates.chunk_size": str(chunk_size).encode(),
     }
-    arrays = [c if isinstance(c := cols[f.name], pa.Array) else pa.array(c, type=f.type, memory_pool=_POOL)
-              for f in SCHEMA]
+    arrays = [cols[f.name] for f in SCHEMA]
     table = pa.Table.from_arrays(arrays, schema=SCHEMA.with_metadata(meta))
     sink = pa.BufferOutputStream(memory_pool=_POOL)
     with pa.ipc.new_file(sink, table.schema) as w:
