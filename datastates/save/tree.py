@@ -509,6 +509,8 @@ class _Flattened:
                                              e.stride, e.nbytes)):
                 col.append(v)
         self._signed_keys = [self.columns[0][row] for row in self.signed]
+        signed = set(self.signed)
+        self._unsigned = [row for row in range(len(self.columns[0])) if row not in signed]
         self._sig_cols = [[self.sigs[1][i] for i in self.sig_of]] + [
             [self.columns[c][row] for row in self.signed] for c in (1, 2)] + [
             [self.sigs[4][i] for i in self.sig_of], [self.columns[3][row] for row in self.signed], storages]
@@ -608,21 +610,29 @@ class _Flattened:
             storages = [r if u._cdata == r.cdata else StorageWeakRef(u) for r, u in zip(storages, now)]
         # sig: (data_ptr, version counter, dtype, shape, stride, device, storage), as `Flattener._add_tensor` makes it
         sigs = list(zip(ptrs, versions, dtypes, shapes, strides, devices, storages))
-        kept: dict[int, TensorEntry] = {}
+        n = len(self.columns[0])
+        same = None
         if committed:
+            # In C (`map`, `compress`): a Python loop per row cost about what making the rows did.
             lasts = list(map(committed.get, self._signed_keys, itertools.repeat(_NO_ROW)))
             same = list(map(operator.eq, map(_sig_of, lasts), sigs))
-            kept = dict(zip(itertools.compress(self.signed, same), itertools.compress(lasts, same)))
-        if not kept:
+            if not any(same):
+                same = None
+        if same is None:
             entries = list(map(TensorEntry, *self.columns))
             made = self.signed
+            kept: set[int] = set()
         else:
-            fresh = [row for row in range(len(self.columns[0])) if row not in kept]
-            entries = [kept.get(row) for row in range(len(self.columns[0]))]  # type: ignore[misc]
-            for row, e in zip(fresh, map(TensorEntry, *([col[row] for row in fresh] for col in self.columns))):
-                entries[row] = e
-            made = [row for row in self.signed if row not in kept]
-            sigs = [sig for row, sig in zip(self.signed, sigs) if row not in kept]
+            entries = [None] * n  # type: ignore[list-item]
+            kept_rows = list(itertools.compress(self.signed, same))
+            list(map(entries.__setitem__, kept_rows, itertools.compress(lasts, same)))
+            other = list(map(operator.not_, same))
+            made = list(itertools.compress(self.signed, other))
+            sigs = list(itertools.compress(sigs, other))
+            fresh = self._unsigned + made
+            made_rows = map(TensorEntry, *([col[row] for row in fresh] for col in self.columns))
+            list(map(entries.__setitem__, fresh, made_rows))
+            kept = set(kept_rows) if self.copied else set()
         if tensors is not None:
             for row, i in self.copied:
                 if row not in kept:
