@@ -554,9 +554,9 @@ def test_kept_chunk_and_stats_columns_are_patched_where_rows_changed_and_give_th
     encoded: list[int] = []
     real = mf._varying_arrays
 
-    def counting(entries: list[Any]) -> Any:
+    def counting(entries: list[Any], *args: Any) -> Any:
         encoded.append(len(entries))
-        return real(entries)
+        return real(entries, *args)
 
     monkeypatch.setattr(mf, "_varying_arrays", counting)
     for e in rows:

@@ -27,6 +27,7 @@ from .capture import plan as plan_slots
 from .collective import plan
 from .copier import Copier
 from .job import KnownStats, SaveHandle, SaveJob, SaveMemory
+from .manifest import retire
 from .pipeline import Pipeline
 from .tree import FlattenCache, Flattener
 
@@ -150,6 +151,7 @@ class Saver:
             if e.kind == "tensor" and e.sig is not None:
                 e.source = None  # never keep the caller's tensors alive
                 by_key[e.key] = e
+        retire(job.encoded)  # the last manifest's values, with the rows just replaced: freed here, not in a commit
 
     def _reuse_token(self) -> tuple[bytes | None, bool]:
         """For a `reuse_unchanged` save, before its rows are made: the catalog's `chunk_drops` token (None with
