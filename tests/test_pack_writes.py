@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 import datastates as ds
-from datastates.objects import packs
+from datastates.base import files
 from datastates.objects.chunks import CODEC_RAW
 from datastates.objects.packs import PackReader, PackWriter, read_index
 from datastates.save import pipeline
@@ -59,7 +60,7 @@ def test_an_aborted_pack_gives_its_bounce_buffer_back_once(tmp_path: Path) -> No
     buf = w._bounce
     w.abort()
     w.abort()  # a second abort (the pipeline aborts every pack of a failed job) changes nothing
-    assert sum(x is buf for x in packs._spare) == 1
+    assert sum(x is buf for x in files._spare) == 1
     nxt = PackWriter(tmp_path)
     assert nxt._bounce is buf
     nxt.abort()
@@ -67,11 +68,11 @@ def test_an_aborted_pack_gives_its_bounce_buffer_back_once(tmp_path: Path) -> No
 
 
 def test_spare_buffers_are_bounded(tmp_path: Path) -> None:
-    writers = [PackWriter(tmp_path) for _ in range(packs._SPARES + 3)]
+    writers = [PackWriter(tmp_path) for _ in range(files._SPARES + 3)]
     _direct_or_skip(writers[0])
     for w in writers:
         w.abort()
-    assert len(packs._spare) == packs._SPARES
+    assert len(files._spare) == files._SPARES
 
 
 def test_the_workers_hash_ahead_while_the_writer_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -152,3 +153,66 @@ def test_the_writer_asks_the_catalog_only_about_chunks_the_workers_found(
         back = store.load(v2)
     assert all(torch.equal(back[k], st[k]) for k in st)
     assert v1.id != v2.id
+
+
+def _spy_direct(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The lengths `files._write_direct` was called with (files written around the page cache)."""
+    calls: list[int] = []
+    real = files._write_direct
+
+    def spy(fd: int, view: memoryview) -> None:
+        calls.append(len(view))
+        real(fd, view)
+
+    monkeypatch.setattr(files, "_write_direct", spy)
+    return calls
+
+
+def _o_direct_here(path: Path) -> bool:
+    probe = path / ".probe"
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644))
+    except OSError:
+        return False
+    finally:
+        probe.unlink(missing_ok=True)
+    return True
+
+
+@pytest.mark.parametrize("n", [files.DIRECT_FROM - 1, files.DIRECT_FROM, files.DIRECT_FROM + 1,
+                               2 * files.BOUNCE + 4095])
+def test_a_big_new_file_written_around_the_page_cache_holds_exactly_its_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """`write_new(direct=True)`: from `DIRECT_FROM` bytes on, through the bounce buffer, its last piece padded and
+    cut off again; the file holds exactly the bytes given, nothing temporary is left, the spares stay bounded,
+    and a second write of the same name changes nothing."""
+    calls = _spy_direct(monkeypatch)
+    data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8).tobytes()
+    target = tmp_path / "m" / "x.arrow"
+    assert files.write_new(target, data, direct=True) is True
+    assert target.read_bytes() == data and target.stat().st_size == n
+    assert calls == ([n] if n >= files.DIRECT_FROM and _o_direct_here(tmp_path) else [])
+    assert files.write_new(target, b"other", direct=True) is False
+    assert target.read_bytes() == data
+    assert [p.name for p in target.parent.iterdir()] == ["x.arrow"]
+    assert len(files._spare) <= files._SPARES
+
+
+def test_a_save_of_many_tensors_writes_its_manifest_around_the_page_cache_and_loads_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest of 1,500 rows (over `DIRECT_FROM`) goes through the O_DIRECT path where the file system has
+    one, and every tensor loads back from it, in this process and in a freshly opened store."""
+    calls = _spy_direct(monkeypatch)
+    g = torch.Generator().manual_seed(5)
+    st = {f"layer.{i:04d}.w": torch.randn(16, generator=g) for i in range(1500)}
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save(st, branch="main")
+        back = store.load(v)
+    direct = _o_direct_here(tmp_path)
+    manifests = [p for p in (tmp_path / "s").rglob("*.arrow")]
+    assert len(manifests) == 1 and manifests[0].stat().st_size >= files.DIRECT_FROM
+    assert calls == ([manifests[0].stat().st_size] if direct else [])
+    assert all(torch.equal(back[k], st[k]) for k in st)
+    with ds.Store.open(tmp_path / "s") as store:
+        again = store.load("main")
+    assert all(torch.equal(again[k], st[k]) for k in st)

@@ -27,7 +27,9 @@ from pathlib import Path
 import blake3
 import numpy as np
 
-from ..base.files import fsync_dir, raise_full_or, write_all
+from ..base.files import ALIGN as _ALIGN
+from ..base.files import BOUNCE as _BOUNCE
+from ..base.files import fsync_dir, give_bounce, raise_full_or, take_bounce, write_all
 from ..errors import IntegrityError, NotFoundError
 from .chunks import CODEC_RAW, ChunkLocation
 
@@ -40,38 +42,6 @@ _FOOTER = struct.Struct("<QQ16s8s")
 def new_pack_id() -> str:
     """A fresh pack id: time-ordered prefix so listings sort by age, random suffix."""
     return f"{time.time_ns():016x}{secrets.token_hex(8)}"
-
-
-_ALIGN = 4096
-_BOUNCE = 2 << 20
-"""Small chunks gather here and reach the disk in writes of this size. 280 MiB in O_DIRECT writes on the
-dev VM: 0.143-0.171 s in 1 MiB writes, 0.134-0.143 in 2 MiB, 0.131-0.137 in 4 MiB; each MiB more is a MiB
-more of peak RSS per open pack (`datastates bench --rss`, `small`, has ~1 MiB of slack)."""
-_SPARES = 2
-_spare: list[np.ndarray] = []
-_spare_lock = threading.Lock()
-
-
-def _take_bounce() -> np.ndarray:
-    """A bounce buffer from the spares, or a new one: every pack of every save taking fresh pages cost ~10 ms
-    per 2 MiB on hosts that charge for touching new pages. A buffer is held by one writer at a time."""
-    with _spare_lock:
-        if _spare:
-            return _spare.pop()
-    return aligned_empty(_BOUNCE)
-
-
-def _give_bounce(buf: np.ndarray) -> None:
-    with _spare_lock:
-        if len(_spare) < _SPARES:
-            _spare.append(buf)
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """A zeroed uint8 array whose data starts on a 4096-byte boundary (for O_DIRECT)."""
-    raw = np.zeros(nbytes + _ALIGN, dtype=np.uint8)
-    off = (-raw.ctypes.data) % _ALIGN
-    return raw[off:off + nbytes]
 
 
 class PackWriter:
@@ -105,7 +75,7 @@ class PackWriter:
         self._entries: list[bytes] = []
         self.size = 0
         """Logical bytes so far (offset of the next chunk)."""
-        self._bounce = _take_bounce() if self.direct else None
+        self._bounce = take_bounce() if self.direct else None
         self._bounce_view = self._bounce.data if self._bounce is not None else memoryview(b"")
         self._held = 0
         self._append(HEADER)
@@ -217,7 +187,7 @@ class PackWriter:
 
     def _release_bounce(self) -> None:
         if self._bounce is not None:
-            _give_bounce(self._bounce)
+            give_bounce(self._bounce)
             self._bounce = None
             self._bounce_view = memoryview(b"")
 

@@ -85,7 +85,9 @@ class Tier:
         return self._obj("annotations", vid, "json")
 
     def write_manifest(self, mid: str, data: bytes | memoryview) -> None:
-        write_new(self.manifest_path(mid), data)
+        """Write manifest `mid` durably (a no-op if it exists): around the page cache when big (`write_new`'s
+        `direct`), as a save's manifest is read back only by later loads. Raises StorageFullError."""
+        write_new(self.manifest_path(mid), data, direct=True)
 
     def write_record(self, vid: str, data: bytes) -> None:
         write_new(self.record_path(vid), data)
