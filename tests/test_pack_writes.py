@@ -216,3 +216,47 @@ def test_a_save_of_many_tensors_writes_its_manifest_around_the_page_cache_and_lo
     with ds.Store.open(tmp_path / "s") as store:
         again = store.load("main")
     assert all(torch.equal(again[k], st[k]) for k in st)
+
+
+@pytest.mark.parametrize("zstd", [0, 3])
+def test_the_manifest_encoded_beside_the_last_writes_is_the_one_of_the_finished_rows(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zstd: int) -> None:
+    """A `save_async` queues all its slots before the pipeline starts, so once the slots left are hashed their
+    results are taken together and the manifest is encoded on a hashing worker while they are written. Its bytes
+    are those of an encoding of the rows after the commit; a tensor repeated in two slots is written once; every
+    tensor loads back, compressed or not."""
+    from datastates.save import manifest as mf
+
+    made: list[tuple[str, Any, tuple[str, memoryview]]] = []
+    real = pipeline.encode
+
+    def spy(tree: Any, entries: Any, chunk_size: int, kept: Any) -> tuple[str, memoryview]:
+        out = real(tree, entries, chunk_size, kept)
+        made.append((threading.current_thread().name, (tree, entries), out))
+        return out
+
+    monkeypatch.setattr(pipeline, "encode", spy)
+    g = torch.Generator().manual_seed(11)
+    st: dict[str, torch.Tensor] = {"big": torch.randn(3 << 18, generator=g)}  # 3 MiB: three chunks
+    st.update({f"s{i:02d}": torch.randn(40_000, generator=g) for i in range(40)})  # ~6 MiB of small ones
+    st["s39"] = st["s01"].clone()  # the same bytes as a tensor in an earlier slot
+    st["zeros"] = torch.zeros(200_000)  # compresses
+    st["steps"] = torch.arange(1000, dtype=torch.int64)
+    with ds.Store.open(tmp_path / "s", chunk_size=1 << 20, pool_bytes=32 << 20, zstd_level=zstd) as store:
+        v1 = store.save_async(st, branch="main").result()
+        old = {k: st[k].clone() for k in ("s05", "big")}
+        for k in old:
+            st[k].add_(1)
+        v2 = store.save_async(st, branch="main").result()
+        backs = [store.load(v1.id), store.load(v2.id)]
+        versions = [store.version(v1.id), store.version(v2.id)]
+    assert [name.startswith("datastates-hash") for name, _, _ in made] == [True, True]
+    for (_, (tree, entries), (mid, data)), v in zip(made, versions):
+        assert mf.encode(tree, entries, 1 << 20) == (mid, data)  # the finished rows, from scratch
+        assert (tmp_path / "s" / "manifests" / mid[:2] / f"{mid}.arrow").read_bytes() == bytes(data)
+        assert v.manifests == {"0": mid}
+    # s01 and s39 share one chunk: 3 + 40 + 1 + 1 chunks named, 44 distinct
+    assert versions[0].chunks_new == 44
+    assert versions[1].chunks_new == 4  # big's three chunks and s05
+    assert all(torch.equal(backs[1][k], st[k]) for k in st)
+    assert all(torch.equal(backs[0][k], t) for k, t in old.items())

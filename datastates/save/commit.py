@@ -23,6 +23,13 @@ from . import manifest as mf
 from .job import SaveJob
 
 
+def manifest_of(job: SaveJob) -> tuple[str, memoryview]:
+    """The id and bytes of a saved job's manifest: as the pipeline encoded them beside the last writes, or now."""
+    if job.manifest is not None:
+        return job.manifest
+    return mf.encode(job.tree, job.entries, job.chunk_size, job.encoded)
+
+
 def make_visible(job: SaveJob, *, tier: Tier, refs: RefStore, catalog: Catalog,
                  before_record: Callable[[], None], wants_flush: Callable[[str | None], bool],
                  overwrite_chunks: bool) -> tuple[str, bytes, bool]:
@@ -32,7 +39,7 @@ def make_visible(job: SaveJob, *, tier: Tier, refs: RefStore, catalog: Catalog,
     `before_record` runs under the ref lock before anything names the version (the object store
     puts back reused packs there); an exception from it, or from any write, leaves nothing visible.
     """
-    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size, job.encoded)
+    mid, mdata = manifest_of(job)
     tier.write_manifest(mid, mdata)
     req = job.request
     branch = req["branch"]
@@ -108,7 +115,7 @@ class Staged:
 
 def stage(job: SaveJob, *, tier: Tier) -> Staged:
     """Write a saved job's manifest and describe it, without a record: nothing becomes visible."""
-    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size, job.encoded)
+    mid, mdata = manifest_of(job)
     tier.write_manifest(mid, mdata)
     return Staged(mid, [(c, tuple(loc)) for c, loc in job.new_chunks.items()],
                   {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name} for w in job.packs},

@@ -205,6 +205,9 @@ class SaveJob:
     """The `chunk_drops` token under which `reused` were known indexed (None: the pins keep them, with tiers)."""
     encoded: dict[str, Any] | None = None
     """The kept flatten's `encoded` when the rows came from one: the manifest's constant columns, encoded once."""
+    manifest: tuple[str, memoryview] | None = None
+    """The manifest's id and bytes when the pipeline encoded it beside the job's last writes (else the commit
+    encodes it)."""
     pins: set[str] = field(default_factory=set)
     """Hot packs this save reuses chunks from: eviction keeps them until the save ends."""
     holds: list[torch.Tensor] | None = None

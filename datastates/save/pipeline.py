@@ -30,6 +30,7 @@ from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
 from .buffers import BufferPool, Piece, Slot
 from .job import KnownStats, SaveJob
+from .manifest import encode
 from .stats import BATCHED_DTYPES, Partial, partial, partial_gathered, partial_many
 from .tree import TensorEntry
 
@@ -69,6 +70,9 @@ Stats = Partial | dict[str, Any] | None
 batched run, or known from an earlier save of the same bytes), or none."""
 Hashed = list[tuple[bytes, Stats, bytes | None, bool]]
 """Per piece: chunk id, statistics, compressed bytes (or None), and whether the catalog had the chunk when hashed."""
+Write = list[tuple[Piece, bytes]] | tuple[bytes, bytes, int]
+"""A write `Pipeline._take` decides on: a run of raw chunks back to back in a slot (piece, chunk id), or one
+compressed chunk (chunk id, its bytes, raw length)."""
 
 
 def _hash_slot(slot: Slot, entries: list[TensorEntry], zstd_level: int,
@@ -288,6 +292,7 @@ class Pipeline:
         window: deque[tuple[Slot, Future[Hashed], int]] = deque()
         ahead = 0  # what the slots in the window weigh (`window_weight`)
         seen = written = 0  # bytes of the slots through the writer, and of those, written
+        encoding: Future[tuple[str, memoryview]] | None = None  # the manifest, encoded beside the last writes
         job.go.wait()
         t0 = time.perf_counter()
         self._prepare(job)
@@ -309,6 +314,22 @@ class Pipeline:
                     written += self._write(job, oldest, hashed)
             job.slots_done = True
             while window:
+                wait([window[0][1]])
+                if encoding is None and job.dist is None and job.capture_error is None and all(
+                        fut.done() for _, fut, _ in window):
+                    # Every slot left is hashed: take them all now, which completes the rows, and encode the
+                    # manifest on a worker while their chunks are written (`small` with 10 % changed: the encode,
+                    # ~10 ms, ran after the last ~10 ms of writes).
+                    queued: set[bytes] = set()
+                    ops = [self._take(job, slot, fut.result(), queued) for slot, fut, _ in window]
+                    self._finish_rows(job)
+                    encoding = self._workers.submit(encode, job.tree, job.entries, job.chunk_size, job.encoded)
+                    for todo, count in ops:
+                        oldest, _, _ = window.popleft()
+                        seen += oldest.used
+                        written += count
+                        self._emit(job, oldest, todo)
+                    break
                 oldest, hashed, _ = window.popleft()
                 seen += oldest.used
                 written += self._write(job, oldest, hashed)
@@ -319,6 +340,8 @@ class Pipeline:
                     # hold another save's bytes. Wait for it (at most one slot's hashing).
                     wait([fut])
                 self.pool.release(slot)
+            if encoding is not None:
+                wait([encoding])  # it reads the rows: done with them before the job fails or goes on
         if seen:
             self.written_fraction = written / seen
         if job.capture_error is not None:
@@ -326,6 +349,15 @@ class Pipeline:
         for w in job.packs:
             w.seal()
         job.timings["write_s"] = time.perf_counter() - t0
+        if encoding is None:
+            self._finish_rows(job)
+        else:
+            job.manifest = encoding.result()
+
+    @staticmethod
+    def _finish_rows(job: SaveJob) -> None:
+        """Put each row's final statistics in, and the per-chunk summaries of rows of several chunks (for the next
+        save's `KnownStats`): once every slot is taken."""
         entries = job.entries
         for row, p in job.partials.items():
             entries[row].stats = p.final()
@@ -351,57 +383,80 @@ class Pipeline:
                 "since the save was called; nothing was written: save again")
 
     def _write(self, job: SaveJob, slot: Slot, fut: Future[Hashed]) -> int:
-        """Take `slot`'s hashing results into the job and write its new chunks; the bytes written (raw)."""
-        written = 0
+        """Take `slot`'s hashing results into the job and write its new chunks; the bytes written (raw). The slot
+        goes back to the pool."""
         try:
-            results = fut.result()
-            # What the workers found stored, confirmed (and pinned) now when chunks may go meanwhile (see
-            # `confirm_found`): a chunk gone since is written again; one stored since by another writer is
-            # written twice, which costs only its bytes.
-            entries = job.entries
-            maybe = [cid for cid, _, _, stored in results if stored] if self.confirm_found else []
-            known = dict(zip(maybe, self._has_chunks(job, maybe))) if maybe else {}
-            arr = slot.buf.numpy()
-            run: list[tuple[Piece, bytes]] = []  # new raw chunks back to back in the slot: written together
-            pending: set[bytes] = set()
-            for i, (piece, (cid, st, packed, stored)) in enumerate(zip(slot.pieces, results)):
-                have = stored and (not self.confirm_found or known[cid])
-                e = entries[piece.row]
-                e.chunks.append(cid)
-                if isinstance(st, dict):
-                    e.stats = st  # made for this piece, or an earlier save's: stats dicts are never changed
-                elif st is not None:
-                    merged = job.partials.get(piece.row)
-                    if e.nbytes > job.chunk_size:
-                        # Kept as they are for the next save (`KnownStats.pieces`); the merge goes into a copy.
-                        job.piece_stats.setdefault(piece.row, []).append(st)
-                        if merged is None:
-                            job.partials[piece.row] = replace(st)
-                        else:
-                            merged.merge(st)
-                    elif merged is None:
-                        job.partials[piece.row] = st  # made for this piece alone: no one else holds it
+            todo, written = self._take(job, slot, fut.result(), set())
+        except BaseException:
+            self.pool.release(slot)
+            raise
+        self._emit(job, slot, todo)
+        return written
+
+    def _take(self, job: SaveJob, slot: Slot, results: Hashed, queued: set[bytes]) -> tuple[list[Write], int]:
+        """Put `slot`'s chunk ids and statistics into the job's rows, and say what of it to write: runs of raw
+        chunks lying back to back in the slot, and compressed chunks, in slot order; with the bytes (raw) they
+        hold. `queued`: chunks taken to be written but not written yet (`_emit` writes them), added to here; a chunk
+        stored, written or queued is not written again."""
+        # What the workers found stored, confirmed (and pinned) now when chunks may go meanwhile (see
+        # `confirm_found`): a chunk gone since is written again; one stored since by another writer is
+        # written twice, which costs only its bytes.
+        entries = job.entries
+        maybe = [cid for cid, _, _, stored in results if stored] if self.confirm_found else []
+        known = dict(zip(maybe, self._has_chunks(job, maybe))) if maybe else {}
+        todo: list[Write] = []
+        run: list[tuple[Piece, bytes]] = []  # new raw chunks back to back in the slot: written together
+        written = 0
+        for i, (piece, (cid, st, packed, stored)) in enumerate(zip(slot.pieces, results)):
+            have = stored and (not self.confirm_found or known[cid])
+            e = entries[piece.row]
+            e.chunks.append(cid)
+            if isinstance(st, dict):
+                e.stats = st  # made for this piece, or an earlier save's: stats dicts are never changed
+            elif st is not None:
+                merged = job.partials.get(piece.row)
+                if e.nbytes > job.chunk_size:
+                    # Kept as they are for the next save (`KnownStats.pieces`); the merge goes into a copy.
+                    job.piece_stats.setdefault(piece.row, []).append(st)
+                    if merged is None:
+                        job.partials[piece.row] = replace(st)
                     else:
                         merged.merge(st)
-                if have or cid in job.new_chunks or cid in pending:
-                    continue
-                if stored:
-                    slot.fill([i])  # found by the worker, gone since: written again, so its bytes are needed now
-                if run and (packed is not None or piece.start != run[-1][0].start + run[-1][0].length):
-                    self._write_run(job, arr, run)
-                    pending.clear()
-                written += piece.length
-                if packed is not None:
-                    loc = self._pack_for(job).add(cid, packed, piece.length, CODEC_ZSTD)
+                elif merged is None:
+                    job.partials[piece.row] = st  # made for this piece alone: no one else holds it
+                else:
+                    merged.merge(st)
+            if have or cid in job.new_chunks or cid in queued:
+                continue
+            if stored:
+                slot.fill([i])  # found by the worker, gone since: written again, so its bytes are needed now
+            if run and (packed is not None or piece.start != run[-1][0].start + run[-1][0].length):
+                todo.append(run)
+                run = []
+            written += piece.length
+            queued.add(cid)
+            if packed is not None:
+                todo.append((cid, packed, piece.length))
+            else:
+                run.append((piece, cid))
+        if run:
+            todo.append(run)
+        return todo, written
+
+    def _emit(self, job: SaveJob, slot: Slot, todo: list[Write]) -> None:
+        """Write what `_take` found new in `slot`, in order; the slot goes back to the pool."""
+        try:
+            arr = slot.buf.numpy()
+            for w in todo:
+                if isinstance(w, list):
+                    self._write_run(job, arr, w)
+                else:
+                    cid, packed, length = w
+                    loc = self._pack_for(job).add(cid, packed, length, CODEC_ZSTD)
                     job.new_chunks[cid] = loc
                     job.bytes_new += loc.length
-                else:
-                    run.append((piece, cid))
-                    pending.add(cid)
-            self._write_run(job, arr, run)
         finally:
             self.pool.release(slot)
-        return written
 
     def _pack_for(self, job: SaveJob) -> PackWriter:
         """The pack the job's next chunk goes to: its last one while under `pack_bytes`, else a new one."""
