@@ -260,3 +260,36 @@ def test_the_manifest_encoded_beside_the_last_writes_is_the_one_of_the_finished_
     assert versions[1].chunks_new == 4  # big's three chunks and s05
     assert all(torch.equal(backs[1][k], st[k]) for k in st)
     assert all(torch.equal(backs[0][k], t) for k, t in old.items())
+
+
+def test_a_finished_job_is_freed_before_the_next_one_arrives(tmp_path: Path) -> None:
+    """The pipeline lets go of a job once it is done, not when the next save's job replaces it (freeing a full
+    save's job of 8,000 rows took 1-4 ms at the start of the next save); and nothing holds the job in a cycle, so
+    it goes with the collector off."""
+    import gc
+    import time
+    import weakref
+
+    jobs: list[weakref.ref[Any]] = []
+    with ds.Store.open(tmp_path / "s") as store:
+        pipe = store._saver.pipeline
+        real = pipe._commit
+
+        def commit(job: Any) -> Any:
+            jobs.append(weakref.ref(job))
+            return real(job)
+
+        pipe._commit = commit
+        st = {f"t{i}": torch.randn(256) for i in range(50)}
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            v = store.save_async(st, branch="main").result()
+            deadline = time.monotonic() + 30  # a bound on a hang, not a timing claim: it waits for the event
+            while jobs[0]() is not None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert jobs[0]() is None
+        finally:
+            if was:
+                gc.enable()
+        assert all(torch.equal(store.load(v.id)[k], st[k]) for k in st)
