@@ -867,6 +867,7 @@ def test_other_storages_at_the_same_address_are_copied_by_address_and_named_in_t
             st = {"w": torch.from_numpy(buf), "small": small.detach()}
             back = store.load(store.save_async(st).result())
             assert torch.equal(back["w"], torch.full((20000,), float(i))) and torch.equal(back["small"], small)
+            store._saver.pipeline.settled.wait()  # `Saver.remember` runs after the caller has its version
             last = store._saver.memory.by_key["w"]
             assert last.sig is not None and last.sig[6] == StorageWeakRef(st["w"].untyped_storage())
         assert store._saver.flattener._last is not None and store._saver.flattener._last.plans.addressed

@@ -374,11 +374,13 @@ def test_unchanged_chunks_of_a_big_tensor_are_not_summarized_again(
     st = _big_state(21)
     with ds.Store.open(tmp_path / "s", chunk_size=_CHUNK) as store:
         store.save(st)
+        store._saver.pipeline.settled.wait()  # the record of the commit (`Saver.remember`) is made after it returns
         first = {k: list(e.piece_stats or []) for k, e in store._saver.memory.by_key.items()}
         assert [len(first[k]) for k in ("emb", "proj")] == [8, 8]  # one summary per chunk, kept
         alone.clear()
         st["emb"][300, 5] += 1.0  # one element: chunk 4 of 8 (rows 256-319 hold its bytes)
         v2 = store.save(st)
+        store._saver.pipeline.settled.wait()
         second = {k: e.piece_stats or [] for k, e in store._saver.memory.by_key.items()}
     # Only the changed chunk was summarized; the others are the very summaries the first save made.
     assert alone == [torch.float32]
@@ -421,8 +423,10 @@ def test_a_tensor_reused_unchanged_keeps_its_chunk_summaries_for_the_next_save(
     st = _big_state(23)
     with ds.Store.open(tmp_path / "s", chunk_size=_CHUNK, reuse_unchanged=True) as store:
         store.save(st)
+        store._saver.pipeline.settled.wait()  # the record of the commit (`Saver.remember`) is made after it returns
         kept = list(store._saver.memory.by_key["proj"].piece_stats or [])
         store.save(st)  # every tensor reused: nothing read
+        store._saver.pipeline.settled.wait()
         assert all(a is b for a, b in zip(store._saver.memory.by_key["proj"].piece_stats or [], kept, strict=True))
         alone.clear()
         st["proj"][0, 0] += 1.0  # its version counter moves: read again, in chunk 0 only changed
