@@ -14,6 +14,7 @@ import torch
 
 import datastates as ds
 from datastates.base import files
+from datastates.objects import packs
 from datastates.objects.chunks import CODEC_RAW
 from datastates.objects.packs import PackReader, PackWriter, read_index
 from datastates.save import pipeline
@@ -293,3 +294,53 @@ def test_a_finished_job_is_freed_before_the_next_one_arrives(tmp_path: Path) -> 
             if was:
                 gc.enable()
         assert all(torch.equal(store.load(v.id)[k], st[k]) for k in st)
+
+
+def test_big_chunks_at_any_address_are_written_from_their_memory_and_read_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A big chunk whose memory is not 4096-aligned (torch aligns to 64) lands at a pack offset congruent to its
+    address, and its aligned middle is written from its own memory in one write; small chunks between big ones,
+    and sizes that are not whole blocks, included. Every chunk reads back as written, and the pack's padding is
+    zeros."""
+    w = PackWriter(tmp_path)
+    _direct_or_skip(w)
+    writes: list[tuple[int, int]] = []  # (address, length) of each write
+    real = PackWriter._raw_write
+
+    def spy(self: PackWriter, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        writes.append((packs._address(view), len(view)))
+        real(self, data)
+
+    monkeypatch.setattr(PackWriter, "_raw_write", spy)
+    rng = np.random.default_rng(4)
+    block = files.aligned_empty(8 << 20)
+    block[:] = rng.integers(0, 256, block.size, dtype=np.uint8)
+    big = 256 << 10
+    cases = [(64, big), (0, big + 100), (4032, (1 << 20) + 4095), (128, big), (0, 1 << 20), (4095, big + 1)]
+    written: list[tuple[bytes, bytes, Any]] = []
+    pos = 0
+    for i, (skew, n) in enumerate(cases):
+        pos = -(-pos // 4096) * 4096 + skew
+        data = block[pos:pos + n]
+        pos += n
+        cid = blake3.blake3(data.data).digest()
+        loc = w.add(cid, data.data, n, CODEC_RAW)
+        written.append((cid, data.tobytes(), loc))
+        assert loc.offset % 4096 == skew
+        small = bytes([i]) * (100 + i)
+        scid = blake3.blake3(small).digest()
+        written.append((scid, small, w.add(scid, small, len(small), CODEC_RAW)))
+    w.seal()
+    for skew, n in cases:  # the middle of each big chunk: one write from its own (now aligned) address
+        head = (4096 - skew) % 4096
+        assert ((n - head) // 4096 * 4096) in [length for _, length in writes]
+    assert all(addr % 4096 == 0 and length % 4096 == 0 for addr, length in writes)
+    reader = PackReader(tmp_path)
+    assert [reader.read(loc) for _, _, loc in written] == [raw for _, raw, _ in written]
+    assert {cid: loc.offset for cid, loc in read_index(w.path)} == {cid: loc.offset for cid, _, loc in written}
+    raw = w.path.read_bytes()
+    spans = sorted((loc.offset, loc.offset + loc.length) for _, _, loc in written)
+    gaps = [raw[a:b] for (_, a), (b, _) in zip(spans, spans[1:]) if b > a]
+    assert gaps and all(g == bytes(len(g)) for g in gaps)  # padding before the big chunks: zeros
+    reader.close()

@@ -44,6 +44,11 @@ def new_pack_id() -> str:
     return f"{time.time_ns():016x}{secrets.token_hex(8)}"
 
 
+_DIRECT_MIN = 256 << 10
+"""A stretch of stored bytes at least this big is written from its own memory (`PackWriter._append_direct`)."""
+_ZEROS = memoryview(bytes(_ALIGN))
+
+
 class PackWriter:
     """Appends chunks to one new pack file; `seal()` makes it durable and visible.
 
@@ -139,17 +144,37 @@ class PackWriter:
         return locs
 
     def append_stored(self, view: memoryview) -> int:
-        """Write stored chunk bytes (one chunk or a stretch of them) at the end of the pack, big aligned ones
-        straight from the caller's memory; their offset. Every chunk write passes here."""
+        """Write stored chunk bytes (one chunk or a stretch of them) at the end of the pack, big ones straight
+        from the caller's memory; their offset. Every chunk write passes here."""
+        if self._bounce is not None and len(view) >= _DIRECT_MIN:
+            return self._append_direct(view)
+        offset = self.size
+        self._append(view)
+        return offset
+
+    def _append_direct(self, view: memoryview) -> int:
+        """Append a big stretch with its aligned middle written straight from its memory; its offset.
+
+        O_DIRECT needs memory address, file offset and length aligned together, and torch's tensors lie on
+        64-byte boundaries, not 4096. So the stretch is placed at a file offset congruent to its address modulo
+        `_ALIGN` (zeros pad the gap before it: under 4 KiB), its head up to the first aligned address goes out
+        with what the bounce buffer holds, the aligned middle in one write from the caller's memory, and the
+        tail into the bounce buffer. Through the bounce alone, `cnn`'s tensors were copied and written 2 MiB at
+        a time (~2 ms per 2 MiB here)."""
         n = len(view)
-        if self._bounce is not None and n >= (256 << 10) and n % _ALIGN == 0 and _address(view) % _ALIGN == 0:
-            self._pad()
-            offset = self.size
-            self._raw_write(view)
-            self.size += n
-        else:
-            offset = self.size
-            self._append(view)
+        skew = _address(view) % _ALIGN
+        head = min((_ALIGN - skew) % _ALIGN, n)
+        self._append(_ZEROS[:(skew - self.size) % _ALIGN])  # size is now congruent to the address
+        offset = self.size
+        self._append(view[:head])  # ends on an aligned file offset: what the bounce holds is whole blocks
+        if self._held:
+            self._raw_write(self._bounce_view[:self._held])
+            self._held = 0
+        middle = (n - head) // _ALIGN * _ALIGN
+        if middle:
+            self._raw_write(view[head:head + middle])
+            self.size += middle
+        self._append(view[head + middle:])
         return offset
 
     def seal(self) -> None:
