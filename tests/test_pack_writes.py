@@ -223,13 +223,19 @@ def test_a_save_of_many_tensors_writes_its_manifest_around_the_page_cache_and_lo
 def test_the_manifest_encoded_beside_the_last_writes_is_the_one_of_the_finished_rows(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, zstd: int) -> None:
     """A `save_async` queues all its slots before the pipeline starts, so once the slots left are hashed their
-    results are taken together and the manifest is encoded on a hashing worker while they are written. Its bytes
-    are those of an encoding of the rows after the commit; a tensor repeated in two slots is written once; every
-    tensor loads back, compressed or not."""
+    results are taken together, a hashing worker writes them and the pipeline thread encodes the manifest
+    meanwhile. Its bytes are those of an encoding of the rows after the commit; a tensor repeated in two slots is
+    written once; every tensor loads back, compressed or not."""
     from datastates.save import manifest as mf
 
     made: list[tuple[str, Any, tuple[str, memoryview]]] = []
+    emitted: list[str] = []
     real = pipeline.encode
+    real_emit_all = pipeline.Pipeline._emit_all
+
+    def emit_all(self: Any, job: Any, slots: Any, started: threading.Event) -> None:
+        emitted.append(threading.current_thread().name)
+        real_emit_all(self, job, slots, started)
 
     def spy(tree: Any, entries: Any, chunk_size: int, kept: Any) -> tuple[str, memoryview]:
         out = real(tree, entries, chunk_size, kept)
@@ -237,6 +243,7 @@ def test_the_manifest_encoded_beside_the_last_writes_is_the_one_of_the_finished_
         return out
 
     monkeypatch.setattr(pipeline, "encode", spy)
+    monkeypatch.setattr(pipeline.Pipeline, "_emit_all", emit_all)
     g = torch.Generator().manual_seed(11)
     st: dict[str, torch.Tensor] = {"big": torch.randn(3 << 18, generator=g)}  # 3 MiB: three chunks
     st.update({f"s{i:02d}": torch.randn(40_000, generator=g) for i in range(40)})  # ~6 MiB of small ones
@@ -251,7 +258,8 @@ def test_the_manifest_encoded_beside_the_last_writes_is_the_one_of_the_finished_
         v2 = store.save_async(st, branch="main").result()
         backs = [store.load(v1.id), store.load(v2.id)]
         versions = [store.version(v1.id), store.version(v2.id)]
-    assert [name.startswith("datastates-hash") for name, _, _ in made] == [True, True]
+    assert [name for name, _, _ in made] == ["datastates-pipeline"] * 2
+    assert [name.startswith("datastates-hash") for name in emitted] == [True, True]
     for (_, (tree, entries), (mid, data)), v in zip(made, versions):
         assert mf.encode(tree, entries, 1 << 20) == (mid, data)  # the finished rows, from scratch
         assert (tmp_path / "s" / "manifests" / mid[:2] / f"{mid}.arrow").read_bytes() == bytes(data)
