@@ -271,6 +271,41 @@ def test_the_manifest_encoded_beside_the_last_writes_is_the_one_of_the_finished_
     assert all(torch.equal(backs[0][k], t) for k, t in old.items())
 
 
+def test_the_last_slots_go_back_to_the_pool_when_their_writer_cannot_be_started(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slots left once all are hashed leave the window together for one worker to write. If that worker
+    cannot be had (`submit` raises), the save fails with that error, every slot is back in the pool, nothing of
+    the failed save is committed, and the next save uses the same slots."""
+    with ds.Store.open(tmp_path / "s", chunk_size=1 << 20, pool_bytes=8 << 20) as store:
+        pipe = store._saver.pipeline
+        real_submit = pipe._workers.submit
+        refused: list[int] = []
+
+        def submit(fn: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(fn, "__name__", "") == "_emit_all":
+                refused.append(len(args[1]))
+                raise RuntimeError("no worker for the last writes")
+            return real_submit(fn, *args, **kwargs)
+
+        monkeypatch.setattr(pipe._workers, "submit", submit)
+        g = torch.Generator().manual_seed(3)
+        st = {f"t{i}": torch.randn(1 << 18, generator=g) for i in range(6)}  # 6 MiB: six slots of 1 MiB
+        with pytest.raises(ds.errors.SaveFailedError, match="no worker for the last writes"):
+            store.save_async(st, branch="main").result()
+        pool = pipe.pool
+        assert refused and refused[0] >= 1
+        assert len(pool._free) == pool._allocated  # every slot back, the refused ones too
+        with pytest.raises(ds.errors.NotFoundError):
+            store.log("main")  # nothing committed
+        with pytest.raises(ds.errors.SaveFailedError, match="1 earlier background save"):
+            store.wait()  # reported once more, as every failed background save is
+        monkeypatch.undo()
+        v = store.save_async(st, branch="main").result()
+        assert len(pool._free) == pool._allocated
+        back = store.load(v.id)
+    assert all(torch.equal(back[k], st[k]) for k in st)
+
+
 def test_a_finished_job_is_freed_before_the_next_one_arrives(tmp_path: Path) -> None:
     """The pipeline lets go of a job once it is done, not when the next save's job replaces it (freeing a full
     save's job of 8,000 rows took 1-4 ms at the start of the next save); and nothing holds the job in a cycle, so

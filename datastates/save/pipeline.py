@@ -336,7 +336,12 @@ class Pipeline:
                         written += count
                         last.append((oldest, todo))
                     started = threading.Event()
-                    writing = self._workers.submit(self._emit_all, job, last, started)
+                    try:
+                        writing = self._workers.submit(self._emit_all, job, last, started)
+                    except BaseException:
+                        for slot, _ in last:  # out of the window already: the `finally` below no longer has them
+                            self.pool.release(slot)
+                        raise
                     # Until the worker holds the GIL and goes into its first write: taken by the encode first, it
                     # waited for a switch interval (5 ms) and more before writing anything.
                     started.wait()
