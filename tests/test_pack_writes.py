@@ -387,3 +387,19 @@ def test_big_chunks_at_any_address_are_written_from_their_memory_and_read_back(
     gaps = [raw[a:b] for (_, a), (b, _) in zip(spans, spans[1:]) if b > a]
     assert gaps and all(g == bytes(len(g)) for g in gaps)  # padding before the big chunks: zeros
     reader.close()
+
+
+def test_the_bounce_buffer_is_flushed_each_time_it_fills_and_padded_with_zeros_to_a_block() -> None:
+    """`fill_bounce` (packs and big manifests both write through it) hands out every byte in order, one flush
+    per full buffer, and keeps the rest; `pad_bounce` zeroes up to the next `ALIGN` boundary."""
+    bounce = memoryview(bytearray(3 * files.ALIGN))
+    out: list[bytes] = []
+    data = bytes(range(256)) * 70  # 17,920 bytes: one buffer is 12,288
+    held = files.fill_bounce(bounce, 0, memoryview(data[:5000]), lambda: out.append(bytes(bounce)))
+    assert (held, out) == (5000, [])
+    held = files.fill_bounce(bounce, held, memoryview(data[5000:]), lambda: out.append(bytes(bounce)))
+    assert held == len(data) - len(bounce) and out == [data[:len(bounce)]]
+    bounce[held:] = b"\xff" * (len(bounce) - held)  # stale bytes past what it holds
+    padded = files.pad_bounce(bounce, held)
+    assert padded == 2 * files.ALIGN
+    assert bytes(bounce[:padded]) == data[len(bounce):] + bytes(padded - held)

@@ -14,6 +14,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -81,18 +82,40 @@ def give_bounce(buf: np.ndarray) -> None:
             _spare.append(buf)
 
 
+def fill_bounce(bounce: memoryview, held: int, view: memoryview, flush: Callable[[], object]) -> int:
+    """Copy `view` into `bounce` after the `held` bytes it holds, calling `flush()` (which writes all of `bounce`)
+    each time it is full; the bytes it holds after. Every O_DIRECT write of bytes not aligned in memory passes
+    here (packs, big manifests)."""
+    size = len(bounce)
+    pos = 0
+    while pos < len(view):
+        n = min(len(view) - pos, size - held)
+        bounce[held:held + n] = view[pos:pos + n]  # a memcpy, no array object per piece
+        held += n
+        pos += n
+        if held == size:
+            flush()
+            held = 0
+    return held
+
+
+def pad_bounce(bounce: memoryview, held: int) -> int:
+    """Zero `bounce` from `held` up to the next `ALIGN` boundary, so what it holds can be written with O_DIRECT;
+    that padded length."""
+    padded = -(-held // ALIGN) * ALIGN
+    bounce[held:padded] = bytes(padded - held)
+    return padded
+
+
 def _write_direct(fd: int, view: memoryview) -> None:
     """Write `view` to `fd` (opened with O_DIRECT, at offset 0) through a bounce buffer, the last piece padded
     with zeros to `ALIGN`; the caller truncates the file to `len(view)`."""
     buf = take_bounce()
     try:
         out = buf.data
-        for pos in range(0, len(view), BOUNCE):
-            n = min(BOUNCE, len(view) - pos)
-            out[:n] = view[pos:pos + n]
-            padded = -(-n // ALIGN) * ALIGN
-            out[n:padded] = bytes(padded - n)
-            write_all(fd, out[:padded])
+        held = fill_bounce(out, 0, view, lambda: write_all(fd, out))
+        if held:
+            write_all(fd, out[:pad_bounce(out, held)])
     finally:
         give_bounce(buf)
 

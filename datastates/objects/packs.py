@@ -28,8 +28,7 @@ import blake3
 import numpy as np
 
 from ..base.files import ALIGN as _ALIGN
-from ..base.files import BOUNCE as _BOUNCE
-from ..base.files import fsync_dir, give_bounce, raise_full_or, take_bounce, write_all
+from ..base.files import fill_bounce, fsync_dir, give_bounce, pad_bounce, raise_full_or, take_bounce, write_all
 from ..errors import IntegrityError, NotFoundError
 from .chunks import CODEC_RAW, ChunkLocation
 
@@ -96,28 +95,20 @@ class PackWriter:
         view = memoryview(data).cast("B")
         if self._bounce is None:
             self._raw_write(view)
-            self.size += len(view)
-            return
-        pos = 0
-        bounce = self._bounce_view
-        while pos < len(view):
-            n = min(len(view) - pos, _BOUNCE - self._held)
-            bounce[self._held:self._held + n] = view[pos:pos + n]  # a memcpy, no array object per chunk
-            self._held += n
-            pos += n
-            self.size += n
-            if self._held == _BOUNCE:
-                self._raw_write(self._bounce)
-                self._held = 0
+        else:
+            self._held = fill_bounce(self._bounce_view, self._held, view, self._write_bounce)
+        self.size += len(view)
+
+    def _write_bounce(self) -> None:
+        self._raw_write(self._bounce_view)
 
     def _pad(self) -> None:
         """Close the bounce buffer on a 4096 boundary so the next write is aligned."""
         assert self._bounce is not None
         if self._held:
-            padded = -(-self._held // _ALIGN) * _ALIGN
-            self._bounce[self._held:padded] = 0
+            padded = pad_bounce(self._bounce_view, self._held)
             self.size += padded - self._held
-            self._raw_write(self._bounce[:padded])
+            self._raw_write(self._bounce_view[:padded])
             self._held = 0
 
     @property
