@@ -347,13 +347,12 @@ def test_big_chunks_at_any_address_are_written_from_their_memory_and_read_back(
     zeros."""
     w = PackWriter(tmp_path)
     _direct_or_skip(w)
-    writes: list[tuple[int, int]] = []  # (address, length) of each write
+    calls: list[list[tuple[int, int]]] = []  # (address, length) of each part, per write request
     real = PackWriter._raw_write
 
-    def spy(self: PackWriter, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        writes.append((packs._address(view), len(view)))
-        real(self, data)
+    def spy(self: PackWriter, *parts: Any) -> None:
+        calls.append([(packs._address(memoryview(p).cast("B")), len(memoryview(p).cast("B"))) for p in parts])
+        real(self, *parts)
 
     monkeypatch.setattr(PackWriter, "_raw_write", spy)
     rng = np.random.default_rng(4)
@@ -374,11 +373,18 @@ def test_big_chunks_at_any_address_are_written_from_their_memory_and_read_back(
         small = bytes([i]) * (100 + i)
         scid = blake3.blake3(small).digest()
         written.append((scid, small, w.add(scid, small, len(small), CODEC_RAW)))
+    before_seal = len(calls)
     w.seal()
-    for skew, n in cases:  # the middle of each big chunk: one write from its own (now aligned) address
+    writes = [part for call in calls for part in call]
+    for skew, n in cases:  # the middle of each big chunk: written from its own (now aligned) address
         head = (4096 - skew) % 4096
         assert ((n - head) // 4096 * 4096) in [length for _, length in writes]
     assert all(addr % 4096 == 0 and length % 4096 == 0 for addr, length in writes)
+    # A small chunk sits in the bounce buffer before every big one: it goes out in the same request as the big
+    # chunk's middle (the header, pads and head ahead of it too), never in a request of its own.
+    assert [len(call) for call in calls[:before_seal]] == [2] * len(cases)
+    assert all(call[0][1] < (64 << 10) <= call[1][1] for call in calls[:before_seal])
+    assert len(calls) == before_seal + 1  # the seal: the last small chunk, the index and the footer
     reader = PackReader(tmp_path)
     assert [reader.read(loc) for _, _, loc in written] == [raw for _, raw, _ in written]
     assert {cid: loc.offset for cid, loc in read_index(w.path)} == {cid: loc.offset for cid, _, loc in written}
@@ -403,3 +409,29 @@ def test_the_bounce_buffer_is_flushed_each_time_it_fills_and_padded_with_zeros_t
     padded = files.pad_bounce(bounce, held)
     assert padded == 2 * files.ALIGN
     assert bytes(bounce[:padded]) == data[len(bounce):] + bytes(padded - held)
+
+
+def test_writev_all_finishes_a_short_vectored_write_piece_by_piece(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`writev_all` writes every part in order with one request when the kernel takes them all, and goes on
+    from where a short `writev` stopped (in the middle of a part) when it does not."""
+    parts = [memoryview(bytes([i]) * n) for i, n in enumerate((5000, 3, 70_000, 1))]
+    want = b"".join(bytes(p) for p in parts)
+    real = os.writev
+    requests: list[int] = []
+
+    def short(fd: int, bufs: list[memoryview]) -> int:
+        requests.append(len(bufs))
+        return os.write(fd, b"".join(bytes(b) for b in bufs)[:5001])  # the first part and one byte more
+
+    for patched, expect in ((False, [4]), (True, [4])):
+        path = tmp_path / f"f{patched}"
+        requests.clear()
+        monkeypatch.setattr(files.os, "writev", short if patched else
+                            lambda fd, bufs: (requests.append(len(bufs)), real(fd, bufs))[1])
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            assert files.writev_all(fd, parts) == len(want)
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == want and requests == expect

@@ -46,6 +46,21 @@ def write_all(fd: int, data: memoryview | bytes) -> int:
     return done
 
 
+def writev_all(fd: int, parts: list[memoryview]) -> int:
+    """Write every byte of `parts`, in order, to `fd` with one `writev` where it takes them all (a short write
+    goes on piece by piece); return the count. One request instead of one per part: on this VM's disk a small
+    O_DIRECT write cost ~0.4 ms, most of it waiting for the request, not moving bytes."""
+    total = sum(len(p) for p in parts)
+    done = os.writev(fd, parts)
+    for part in parts:
+        if done >= len(part):
+            done -= len(part)
+            continue
+        write_all(fd, part[done:])
+        done = 0
+    return total
+
+
 ALIGN = 4096
 """O_DIRECT's alignment of memory, offsets and lengths (the largest logical block size we meet)."""
 BOUNCE = 2 << 20

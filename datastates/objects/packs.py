@@ -28,7 +28,16 @@ import blake3
 import numpy as np
 
 from ..base.files import ALIGN as _ALIGN
-from ..base.files import fill_bounce, fsync_dir, give_bounce, pad_bounce, raise_full_or, take_bounce, write_all
+from ..base.files import (
+    fill_bounce,
+    fsync_dir,
+    give_bounce,
+    pad_bounce,
+    raise_full_or,
+    take_bounce,
+    write_all,
+    writev_all,
+)
 from ..errors import IntegrityError, NotFoundError
 from .chunks import CODEC_RAW, ChunkLocation
 
@@ -84,9 +93,14 @@ class PackWriter:
         self._held = 0
         self._append(HEADER)
 
-    def _raw_write(self, data: memoryview | bytes | np.ndarray) -> None:
+    def _raw_write(self, *parts: memoryview) -> None:
+        """Write `parts` back to back at the end of the file, in one request (`writev_all`) when there are
+        several; aborts the pack and raises StorageFullError or the OSError when the write fails."""
         try:
-            write_all(self._fd, memoryview(data))  # type: ignore[arg-type]
+            if len(parts) == 1:
+                write_all(self._fd, parts[0])
+            else:
+                writev_all(self._fd, list(parts))
         except OSError as exc:
             self.abort()
             raise_full_or(exc, self.tmp)
@@ -158,13 +172,12 @@ class PackWriter:
         self._append(_ZEROS[:(skew - self.size) % _ALIGN])  # size is now congruent to the address
         offset = self.size
         self._append(view[:head])  # ends on an aligned file offset: what the bounce holds is whole blocks
-        if self._held:
-            self._raw_write(self._bounce_view[:self._held])
-            self._held = 0
-        middle = (n - head) // _ALIGN * _ALIGN
-        if middle:
-            self._raw_write(view[head:head + middle])
-            self.size += middle
+        middle = (n - head) // _ALIGN * _ALIGN  # > 0: a stretch here is far longer than a block
+        # What the bounce holds goes out with the middle, in one request: `cnn`'s sync save made 35 writes of a
+        # few KiB besides its big ones, 11-18 ms of its ~125 (each waits for the disk like a big one).
+        held, self._held = self._held, 0
+        self._raw_write(*((self._bounce_view[:held],) if held else ()), view[head:head + middle])
+        self.size += middle
         self._append(view[head + middle:])
         return offset
 
