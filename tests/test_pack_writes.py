@@ -233,9 +233,9 @@ def test_the_manifest_encoded_beside_the_last_writes_is_the_one_of_the_finished_
     real = pipeline.encode
     real_emit_all = pipeline.Pipeline._emit_all
 
-    def emit_all(self: Any, job: Any, slots: Any, started: threading.Event) -> None:
+    def emit_all(self: Any, job: Any, slots: Any, handoff: Any) -> None:
         emitted.append(threading.current_thread().name)
-        real_emit_all(self, job, slots, started)
+        real_emit_all(self, job, slots, handoff)
 
     def spy(tree: Any, entries: Any, chunk_size: int, kept: Any) -> tuple[str, memoryview]:
         out = real(tree, entries, chunk_size, kept)
@@ -271,10 +271,12 @@ def test_the_manifest_encoded_beside_the_last_writes_is_the_one_of_the_finished_
     assert all(torch.equal(backs[0][k], t) for k, t in old.items())
 
 
+@pytest.mark.parametrize("queued", [False, True])
 def test_the_last_slots_go_back_to_the_pool_when_their_writer_cannot_be_started(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The slots left once all are hashed leave the window together for one worker to write. If that worker
-    cannot be had (`submit` raises), the save fails with that error, every slot is back in the pool, nothing of
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, queued: bool) -> None:
+    """The slots left once all are hashed leave the window together for one worker to write. If `submit` raises,
+    before queuing the call or after (`ThreadPoolExecutor.submit` queues it, then starting a thread may raise, and
+    the call runs anyway), the save fails with that error, every slot is back in the pool exactly once, nothing of
     the failed save is committed, and the next save uses the same slots."""
     with ds.Store.open(tmp_path / "s", chunk_size=1 << 20, pool_bytes=8 << 20) as store:
         pipe = store._saver.pipeline
@@ -284,6 +286,9 @@ def test_the_last_slots_go_back_to_the_pool_when_their_writer_cannot_be_started(
         def submit(fn: Any, *args: Any, **kwargs: Any) -> Any:
             if getattr(fn, "__name__", "") == "_emit_all":
                 refused.append(len(args[1]))
+                if queued:  # the call is queued and its worker has claimed the slots when submit raises
+                    real_submit(fn, *args, **kwargs)
+                    getattr(args[2], "started", args[2]).wait()  # (an Event itself before the handoff)
                 raise RuntimeError("no worker for the last writes")
             return real_submit(fn, *args, **kwargs)
 
@@ -294,16 +299,18 @@ def test_the_last_slots_go_back_to_the_pool_when_their_writer_cannot_be_started(
             store.save_async(st, branch="main").result()
         pool = pipe.pool
         assert refused and refused[0] >= 1
-        assert len(pool._free) == pool._allocated  # every slot back, the refused ones too
+        # every slot back, once: a slot released twice would be handed to two captures at the same time
+        assert len(pool._free) == pool._allocated == len({id(b) for b in pool._free})
         with pytest.raises(ds.errors.NotFoundError):
             store.log("main")  # nothing committed
         with pytest.raises(ds.errors.SaveFailedError, match="1 earlier background save"):
             store.wait()  # reported once more, as every failed background save is
         monkeypatch.undo()
         v = store.save_async(st, branch="main").result()
-        assert len(pool._free) == pool._allocated
+        assert len(pool._free) == pool._allocated == len({id(b) for b in pool._free})
         back = store.load(v.id)
     assert all(torch.equal(back[k], st[k]) for k in st)
+    assert not list((tmp_path / "s").rglob("*.tmp"))  # the failed save's pack is gone
 
 
 def test_a_finished_job_is_freed_before_the_next_one_arrives(tmp_path: Path) -> None:

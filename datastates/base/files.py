@@ -114,11 +114,14 @@ def fill_bounce(bounce: memoryview, held: int, view: memoryview, flush: Callable
     return held
 
 
+_ZERO_BLOCK = memoryview(bytes(ALIGN))
+
+
 def pad_bounce(bounce: memoryview, held: int) -> int:
     """Zero `bounce` from `held` up to the next `ALIGN` boundary, so what it holds can be written with O_DIRECT;
     that padded length."""
     padded = -(-held // ALIGN) * ALIGN
-    bounce[held:padded] = bytes(padded - held)
+    bounce[held:padded] = _ZERO_BLOCK[:padded - held]
     return padded
 
 

@@ -175,6 +175,22 @@ def _slot_stats(slot: Slot, entries: list[TensorEntry], found: list[Stats]) -> l
     return out
 
 
+class _Handoff:
+    """The last slots of a save, handed to one worker to write: exactly one side, the worker or the pipeline
+    whose `submit` failed, claims them, writes or not, and releases them."""
+
+    def __init__(self) -> None:
+        self._claimed = threading.Lock()
+        self.started = threading.Event()
+        """Set by the worker once it has claimed the slots, before its first write."""
+        self.finished = threading.Event()
+        """Set by the worker when it is done with the slots."""
+
+    def claim(self) -> bool:
+        """True for the first caller only."""
+        return self._claimed.acquire(blocking=False)
+
+
 class Pipeline:
     """The background half: one thread that takes jobs in order, plus hashing workers."""
 
@@ -335,16 +351,22 @@ class Pipeline:
                         seen += oldest.used
                         written += count
                         last.append((oldest, todo))
-                    started = threading.Event()
+                    handoff = _Handoff()
                     try:
-                        writing = self._workers.submit(self._emit_all, job, last, started)
+                        writing = self._workers.submit(self._emit_all, job, last, handoff)
                     except BaseException:
-                        for slot, _ in last:  # out of the window already: the `finally` below no longer has them
-                            self.pool.release(slot)
+                        # `submit` queues the call before it starts a thread, and that start may raise: the call
+                        # may run anyway. Whoever claims the slots first writes and releases them; they are out
+                        # of the window, so the `finally` below no longer has them.
+                        if handoff.claim():
+                            for slot, _ in last:
+                                self.pool.release(slot)
+                        else:
+                            handoff.finished.wait()  # its writes end before the job's packs are aborted
                         raise
                     # Until the worker holds the GIL and goes into its first write: taken by the encode first, it
                     # waited for a switch interval (5 ms) and more before writing anything.
-                    started.wait()
+                    handoff.started.wait()
                     try:
                         job.manifest = encode(job.tree, job.entries, job.chunk_size, job.encoded)
                     finally:
@@ -459,16 +481,22 @@ class Pipeline:
             todo.append(run)
         return todo, written
 
-    def _emit_all(self, job: SaveJob, slots: list[tuple[Slot, list[Write]]], started: threading.Event) -> None:
-        """`_emit` each slot in order; every slot goes back to the pool, written or not. Sets `started` first."""
-        started.set()
-        for i, (slot, todo) in enumerate(slots):
-            try:
-                self._emit(job, slot, todo)
-            except BaseException:
-                for rest, _ in slots[i + 1:]:
-                    self.pool.release(rest)
-                raise
+    def _emit_all(self, job: SaveJob, slots: list[tuple[Slot, list[Write]]], handoff: _Handoff) -> None:
+        """`_emit` each slot in order, unless the pipeline claimed them first (its `submit` failed); every slot
+        goes back to the pool, written or not. Sets `handoff.started` first and `handoff.finished` last."""
+        if not handoff.claim():
+            return
+        try:
+            handoff.started.set()
+            for i, (slot, todo) in enumerate(slots):
+                try:
+                    self._emit(job, slot, todo)
+                except BaseException:
+                    for rest, _ in slots[i + 1:]:
+                        self.pool.release(rest)
+                    raise
+        finally:
+            handoff.finished.set()
 
     def _emit(self, job: SaveJob, slot: Slot, todo: list[Write]) -> None:
         """Write what `_take` found new in `slot`, in order; the slot goes back to the pool."""
