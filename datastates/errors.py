@@ -99,6 +99,11 @@ class MissingDependencyError(DataStatesError, ImportError):
     """An optional dependency (an extra such as `plot`) is not installed; the message names the pip command."""
 
 
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of a type the call does not take (a str where a retention policy goes); a TypeError as
+    Python's own would be."""
+
+
 class UnexpectedArgumentError(InvalidArgumentError, TypeError):
     """A keyword the call does not take (a typo such as `stpe=`); a TypeError as Python's own would be."""
 

@@ -127,7 +127,8 @@ class Population:
             raise NotFoundError(f"donor {donor.branch} has no saved version yet; save before exploiting")
         member.hparams = dict(src.hparams)
         self.renew()
-        return self.store.fork(src, branch=member.branch, parents=[src.id], fork_of=src.id,
+        # force: the member's own line is abandoned on purpose (family_tree still finds it by branch name).
+        return self.store.fork(src, branch=member.branch, parents=[src.id], fork_of=src.id, force=True,
                                message=f"exploit: {member.branch} <- {donor.branch}")
 
     def explore(self, member: Member, hparams: dict[str, Any] | None = None, *,

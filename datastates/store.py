@@ -54,12 +54,12 @@ from .repo.recovery import restore_lost_nodes, share_packs
 from .repo.repository import Repository
 from .save.buffers import BufferPool, default_pool_bytes
 from .save.collective import make_visible_collective, matches
-from .save.commit import Staged, make_fork_visible, make_staged_visible, make_visible, stage
+from .save.commit import Staged, check_branch_move, make_fork_visible, make_staged_visible, make_visible, stage
 from .save.job import SaveHandle, SaveJob
 from .save.manifest import Manifest, TensorInfo
 from .save.pipeline import Pipeline
 from .save.placement import Placement
-from .save.request import fork_record, save_request
+from .save.request import check_flag, fork_record, save_request
 from .save.saver import Saver, at_exit
 from .save.tree import key_patterns
 
@@ -300,7 +300,7 @@ class Store(Queries):
                    lazy: bool = False, optimizer: torch.optim.Optimizer | None = None,
                    fork_of: Any = None, explore: dict[str, Any] | None = None,
                    reuse_unchanged: bool | None = None, replicated: Sequence[str] | None = None,
-                   _overlap: bool = False) -> SaveHandle:
+                   force: bool = False, _overlap: bool = False) -> SaveHandle:
         """Start saving `state`; return once its tensors are copied (at once when `lazy`).
 
         Modules and optimizers may be passed themselves (`{"model": model, "optim": opt}`): they are saved and
@@ -310,7 +310,12 @@ class Store(Queries):
         made per tensor: for a module of 8,000 small parameters with AdamW on a 2-core VM, ~0.40 s of blocking,
         the two `state_dict()` calls included (~0.24 s as objects).
         `parents=None` makes the version a child of the branch head at commit
-        time (linear history even with several writers). With `lazy=True` the
+        time (linear history even with several writers). With explicit `parents`
+        that do not descend from `branch`'s head, the save is refused
+        (ConflictError, before anything is written; or at the commit, if another
+        writer moved the branch meanwhile) when the head would be left reachable
+        by no branch or tag: `force=True` moves the branch anyway, as
+        `git branch -f` (the old line stays in the reflog). With `lazy=True` the
         copy runs in the background: call `handle.wait_staged()` before
         mutating tensors, or pass `optimizer=` so its next `step()` waits.
         `reuse_unchanged=True` (default: the store's setting) reuses the chunks
@@ -322,16 +327,22 @@ class Store(Queries):
         entries go into its own manifest, and entries under `replicated` (key prefixes or globs,
         identical on every rank) are written once in total, spread over the ranks by bytes.
         Raises (before anything is written) UnsupportedValueError,
-        InvalidNameError, NotFoundError for unknown parents, SaveFailedError
-        for an earlier failed background save.
+        InvalidNameError, NotFoundError for unknown parents, ConflictError (see
+        `force`), SaveFailedError for an earlier failed background save.
         """
         t_call = time.perf_counter()
         self._check_open()
         self._raise_pending()
         request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=epoch, hparams=hparams,
-                               metrics=metrics, message=message, fork_of=fork_of, explore=explore)
+                               metrics=metrics, message=message, fork_of=fork_of, explore=explore, force=force)
         if branch is not None:
             self.repo.check_unlike_other_kind("branch", branch)  # saving creates the branch if missing
+            if request["parents"] is not None and self.comm.size == 1:
+                # Now, so a refused save writes nothing; the commit checks again under the ref lock. Not on a
+                # job of several ranks: one rank's refusal here would leave the others waiting in the save's
+                # collectives, so there rank 0's commit refuses it, on every rank at once.
+                check_branch_move(self.refs, self.catalog, branch, self.refs.get("branch", branch),
+                                  request["parents"], force)
         use = self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged
         return self._saver.submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
                                   reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,
@@ -416,11 +427,15 @@ class Store(Queries):
         return self.flusher is not None and self.flusher.wants(branch)
 
     def flush(self, ref: Any = None, timeout: float | None = None) -> bool:
-        """Wait until the flusher's backlog is on cold (queueing `ref` first, if given); True if done."""
+        """Wait until the flusher's backlog is on cold (queueing `ref` first, if given); True if done (at once
+        on a store without a cold tier). Raises StoreClosedError, NotFoundError for a `ref` that names nothing
+        (with or without tiers: a typo is not a success)."""
+        self._check_open()
+        vid = None if ref is None else self.resolve(ref)
         if self.flusher is None:
             return True
-        if ref is not None:
-            self.flusher.queue(self.resolve(ref))
+        if vid is not None:
+            self.flusher.queue(vid)
         return self.flusher.wait(timeout)
 
     def packs_of(self, v: Version) -> set[str]:
@@ -497,11 +512,16 @@ class Store(Queries):
     def fork(self, ref: Any, *, branch: str | None, parents: Sequence[Any] | None = None,
              hparams: dict[str, Any] | None = None, metrics: dict[str, Any] | None = None,
              step: int | None = None, message: str = "", fork_of: Any = None,
-             explore: dict[str, Any] | None = None) -> Version:
+             explore: dict[str, Any] | None = None, force: bool = False) -> Version:
         """A new version holding exactly the tensors of `ref` (no bytes read or written).
 
         Its parents default to [ref]; hparams/step default to ref's. Used for
-        PBT exploit/explore and for re-labelling a state. Moves `branch`.
+        PBT exploit/explore and for re-labelling a state. Moves `branch` (creates
+        it if missing). Raises ConflictError, writing nothing, if that would leave
+        the branch's head reachable by no branch or tag (the fork does not descend
+        from it): `force=True` moves it anyway (a PBT exploit abandons the member's
+        line so), the old line staying in the reflog. Raises NotFoundError,
+        PrunedError, InvalidNameError, InvalidArgumentError.
         """
         self._check_open()
         src = self.version(ref)
@@ -512,7 +532,7 @@ class Store(Queries):
         if branch is not None:
             self.repo.check_unlike_other_kind("branch", branch)
         vid = make_fork_visible(rec, tier=self.tier, refs=self.refs, catalog=self.catalog, branch=branch,
-                                message=f"fork of {src.short}")
+                                message=f"fork of {src.short}", force=check_flag(force, "force"))
         if self.flusher is not None and self.flusher.wants(branch):
             self.flusher.queue(vid)
         return self.version(vid)

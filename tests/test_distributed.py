@@ -168,6 +168,20 @@ def test_mpi_a_failing_rank_fails_the_save_on_every_rank_and_the_next_save_works
         assert s.fsck().ok  # the failed save's packs were removed by each rank
 
 
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_a_save_that_would_orphan_the_branch_head_is_refused_on_every_rank_unless_forced(tmp_path: Path) -> None:
+    _, out = mpirun(2, tmp_path / "store", "offhead")
+    assert sorted(r["rank"] for r in out) == [0, 1]
+    firsts = {r["rank"]: r["first"] for r in out}
+    assert firsts == {0: "ConflictError", 1: "SaveFailedError"}, firsts
+    assert all(r["visible_after_refusal"] == 2 for r in out)
+    assert all(r["forced_parents"] == [r["v1"]] and r["log"] == [3, 1] for r in out)
+    with ds.Store.open(tmp_path / "store") as s:
+        assert s.fsck().ok
+
+
 @pytest.mark.timeout(600)
 def test_torch_distributed_gloo_three_ranks_save_and_two_ranks_load(tmp_path: Path) -> None:
     store = tmp_path / "store"

@@ -82,7 +82,7 @@ def _placeholders(store: Path, kind: str, template: str, tmp: Path) -> dict[str,
             else:
                 s.branch("scratch", at="main", force=True)
     return {"name": "scratch" if deletes else "main", "ref": "main", "v.short": short, "va.short": short,
-            "new[:12]": short, "kind": kind, "kind_name[0]": kind, "root": str(tmp / "fresh")}
+            "new[:12]": short, "head[:12]": short, "kind": kind, "kind_name[0]": kind, "root": str(tmp / "fresh")}
 
 
 def _expand(template: str) -> list[tuple[str, str]]:
@@ -113,9 +113,14 @@ def test_hint_command_runs(small: Path, tmp_path: Path, where: str, template: st
         cmd = re.sub(r"\s*\[[^\]]*\]", "", cmd)  # a usage synopsis: `fsck [--repair]` runs as `fsck`
         argv = shlex.split(cmd)[1:]
         argv += EXTRA.get(argv[0], [])
+        with ds.Store.open(small) as s:
+            tags = set(s.tags())
         rc = main(argv if "--store" in argv else ["--store", str(small), *argv])
         out = capsys.readouterr()
         assert rc == 0, f"{where}: `{cmd}` exited {rc}: {out.err.strip()}"
+        with ds.Store.open(small) as s:  # a tag a hint made (`datastates tag keep-...`) is not the fixture's
+            for name in set(s.tags()) - tags:
+                s.delete_tag(name)
 
 
 def test_list_flags_take_a_glob_like_git(small: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -11,9 +11,18 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers.states import snapshot
 
 import datastates as ds
-from datastates.errors import InvalidArgumentError, InvalidNameError, UnsupportedValueError
+from datastates import retention as rt
+from datastates.errors import (
+    ArgumentTypeError,
+    ConflictError,
+    InvalidArgumentError,
+    InvalidNameError,
+    StoreClosedError,
+    UnsupportedValueError,
+)
 from datastates.meta.versions import record_dict
 from datastates.save.commit import make_fork_visible
 
@@ -176,3 +185,200 @@ def test_annotated_metrics_are_metrics_and_internal_keys_are_hidden(store: ds.St
                          capture_output=True, text=True, timeout=120)
     shown = json.loads(out.stdout)
     assert shown["annotations"] == {"note": "late eval"} and shown["metrics"]["val_acc"] == 0.93
+
+
+def _store_with_two_versions(tmp_path: Path) -> tuple[ds.Store, str, str]:
+    store = ds.Store.open(tmp_path / "s")
+    a = store.save(W, branch="main")
+    b = store.save({"w": torch.ones(4)}, branch="main")
+    store.tag("t1", a.id)
+    return store, a.id, b.id
+
+
+def test_a_closed_store_refuses_every_ref_and_annotation_change(tmp_path: Path) -> None:
+    """Tags, branches and annotations were still written after `close()` (saves and loads were refused)."""
+    store, a, _ = _store_with_two_versions(tmp_path)
+    store.close()
+    before = snapshot(tmp_path / "s", with_catalog=True)
+    for call in (lambda: store.tag("t2", "main"), lambda: store.branch("b2", at="main"),
+                 lambda: store.delete_tag("t1"), lambda: store.delete_branch("main", force=True),
+                 lambda: store.annotate("main", metrics={"z": 1.0}), lambda: store.flush()):
+        with pytest.raises(StoreClosedError):
+            call()
+    assert snapshot(tmp_path / "s", with_catalog=True) == before
+    with ds.Store.open(tmp_path / "s") as again:
+        assert again.tags() == {"t1": a} and set(again.branches()) == {"main"}
+
+
+@pytest.mark.parametrize("name", [None, "", 5])
+def test_deleting_a_ref_that_is_not_a_name_is_refused_by_name(tmp_path: Path, name: Any) -> None:
+    store, _, b = _store_with_two_versions(tmp_path)
+    with store:
+        for call, kind in ((store.delete_branch, "branch"), (store.delete_tag, "tag")):
+            with pytest.raises(InvalidNameError, match=f"{kind} name {name!r} is not a name"):
+                call(name)
+        assert store.branches() == {"main": b} and set(store.tags()) == {"t1"}
+
+
+@pytest.mark.parametrize("policy, words", [
+    ("keep everything", "is not a retention policy"),
+    (None, "is not a retention policy"),
+    (lambda: rt.KeepBest("loss", 3), "KeepBest(n='loss'): n is a count"),  # the arguments swapped
+    (lambda: rt.KeepLatest(2.5), "KeepLatest(n=2.5): n is a count"),
+    (lambda: rt.KeepEvery(True), "KeepEvery(n_steps=True): n_steps is a count"),
+    (lambda: rt.Retention("x"), "'x' is not a retention policy"),
+])
+def test_prune_with_what_is_not_a_policy_is_refused_before_anything_changes(
+        tmp_path: Path, policy: Any, words: str) -> None:
+    store, _, _ = _store_with_two_versions(tmp_path)
+    with store:
+        before = snapshot(tmp_path / "s", with_catalog=True)
+        with pytest.raises(InvalidArgumentError) as info:
+            store.prune(policy() if callable(policy) else policy, dry_run=False)
+        assert words in str(info.value)
+        if not callable(policy) or "Retention" in words:
+            assert isinstance(info.value, ArgumentTypeError) and isinstance(info.value, TypeError)
+        assert snapshot(tmp_path / "s", with_catalog=True) == before
+        assert store.fsck().ok
+
+
+def test_a_metric_name_in_a_policy_message_is_cut_short(tmp_path: Path) -> None:
+    store, _, _ = _store_with_two_versions(tmp_path)
+    with store:
+        store.save(W, branch="main", metrics={"x" * 10_000: 1.0})
+        with pytest.raises(ds.NotFoundError) as info:
+            store.prune(rt.KeepBest(1, "metrics.loss"), dry_run=True)
+        assert len(str(info.value)) < 400 and "xxx..." in str(info.value)
+
+
+def test_flush_policy_counts_from_one(tmp_path: Path) -> None:
+    for every in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="every is a count of versions"):
+            ds.Flush(every=every)
+    assert ds.Flush(every=3).every == 3
+
+
+def test_a_config_written_with_every_0_still_opens_and_flushes_each_version(tmp_path: Path) -> None:
+    """Before `Flush` checked `every`, 0 could be written; the flusher read it as 1, and so does `load`."""
+    from datastates.base import config
+
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "config.toml").write_text(f'[tiers]\nhot = "{tmp_path / "h"}"\n[flush]\nevery = 0\n')
+    assert config.load(tmp_path / "c").flush.every == 1  # type: ignore[union-attr]
+    (tmp_path / "c" / "config.toml").write_text('[flush]\nevery = "often"\n')
+    with pytest.raises(ds.errors.StoreFormatError, match="every = 'often' is not a whole number"):
+        config.load(tmp_path / "c")
+
+
+def test_flush_of_a_ref_that_names_nothing_is_refused_without_tiers_too(tmp_path: Path) -> None:
+    store, _, _ = _store_with_two_versions(tmp_path)
+    with store:
+        with pytest.raises(ds.NotFoundError, match="'nope' is not a branch, tag or version id"):
+            store.flush("nope")
+        assert store.flush("main") is True
+
+
+def test_an_upper_case_id_prefix_names_its_version_and_an_empty_ref_is_called_empty(tmp_path: Path) -> None:
+    store, a, b = _store_with_two_versions(tmp_path)
+    with store:
+        assert store.resolve(b[:8].upper()) == b and store.resolve(a.upper()) == a
+        with pytest.raises(ds.NotFoundError, match="ref '' is empty"):
+            store.load("")
+        store.branch("ABCDEF", at=a)  # a branch named like a prefix is still found first
+        assert store.resolve("ABCDEF") == a
+
+
+def test_export_of_a_version_with_pickled_values_takes_allow_pickle(tmp_path: Path) -> None:
+    """The refusal said to pass allow_pickle=True, which `export` did not take."""
+    from datastates.ecosystem.transfer import export
+
+    store = ds.Store.open(tmp_path / "s")
+    with store:
+        v = store.save({"w": torch.arange(3.0), "cfg": {1, 2}}, branch="main", allow_pickle=True)
+        with pytest.raises(UnsupportedValueError, match="allow_pickle=True"):
+            export(store, v.id, "torch", tmp_path / "out.pt")
+        assert not (tmp_path / "out.pt").exists()
+        path = export(store, v.id, "torch", tmp_path / "out.pt", allow_pickle=True)
+        back = torch.load(path, weights_only=False)
+        assert torch.equal(back["w"], torch.arange(3.0)) and back["cfg"] == {1, 2}
+    out = subprocess.run([sys.executable, "-m", "datastates", "--store", str(tmp_path / "s"), "export", "main",
+                          str(tmp_path / "cli.pt"), "--format", "torch", "--allow-pickle"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert torch.load(tmp_path / "cli.pt", weights_only=False)["cfg"] == {1, 2}
+
+
+def _diverged(tmp_path: Path) -> tuple[ds.Store, str, str, str]:
+    """main: a <- b; branch `other` at a root version c of its own line."""
+    store = ds.Store.open(tmp_path / "s")
+    a = store.save(W, branch="main").id
+    b = store.save({"w": torch.ones(4)}, branch="main").id
+    c = store.save({"w": torch.zeros(4)}, branch="other").id
+    return store, a, b, c
+
+
+def test_a_fork_onto_a_branch_whose_head_it_would_orphan_is_refused_unless_forced(tmp_path: Path) -> None:
+    """fork() moved an existing branch to another line in silence, leaving its head reachable only by id
+    (branch() and delete_branch() refuse that without force)."""
+    store, a, b, c = _diverged(tmp_path)
+    with store:
+        before = snapshot(tmp_path / "s", with_catalog=True)
+        with pytest.raises(ConflictError, match=f"move branch 'main' off its head {b[:12]}.*: 2 version"):
+            store.fork(c, branch="main")
+        with pytest.raises(ConflictError):
+            store.fork(a, branch="main")  # an ancestor of the head: b would be orphaned all the same
+        assert snapshot(tmp_path / "s", with_catalog=True) == before and store.resolve("main") == b
+        ahead = store.fork(b, branch="main", message="relabel")  # descends from the head: moves
+        assert store.resolve("main") == ahead.id and ahead.parents == (b,)
+        store.tag("keep", ahead.id)
+        moved = store.fork(c, branch="main")  # the head stays reachable by the tag: moves
+        forced = store.fork(a, branch="other", force=True)  # c is lost to names, but forced
+        assert store.resolve("main") == moved.id and store.resolve("other") == forced.id
+        assert [e["new"] for e in store.reflog("other")][-1] == forced.id
+        assert torch.equal(store.load(b)["w"], torch.ones(4)) and torch.equal(store.load(c)["w"], torch.zeros(4))
+
+
+def test_a_save_with_parents_off_the_branch_head_is_refused_before_writing_unless_forced(tmp_path: Path) -> None:
+    store, a, b, c = _diverged(tmp_path)
+    with store:
+        before = snapshot(tmp_path / "s", with_catalog=True)
+        with pytest.raises(ConflictError, match="this save would move branch 'main'"):
+            store.save({"w": torch.full((4,), 7.0)}, branch="main", parents=[a])
+        with pytest.raises(InvalidArgumentError, match="force='yes' is not True or False"):
+            store.save(W, branch="main", parents=[a], force="yes")
+        assert snapshot(tmp_path / "s", with_catalog=True) == before  # not even a pack
+        merged = store.save(W, branch="main", parents=[b, c])  # a merge keeps the head as a parent
+        restart = store.save({"w": torch.full((4,), 7.0)}, branch="main", parents=[a], force=True)
+        assert merged.parents == (b, c) and restart.parents == (a,) and store.resolve("main") == restart.id
+        assert store.fsck().ok
+
+
+def test_a_save_whose_branch_moved_off_its_parents_before_the_commit_is_refused_there(tmp_path: Path) -> None:
+    """The call's check passed (main was at a, the parent); another writer moved main to c before the commit,
+    under the ref lock this test holds: the commit refuses, nothing of the save is visible, main stays at c."""
+    store = ds.Store.open(tmp_path / "s")
+    with store:
+        a = store.save(W, branch="main").id
+        c = store.save({"w": torch.zeros(4)}, branch=None).id
+        with store.refs.locked():
+            handle = store.save_async({"w": torch.full((4,), 3.0)}, branch="main", parents=[a])
+            store.refs.set_if_equals("branch", "main", a, c, "another writer", locked=True)
+        with pytest.raises(ConflictError, match=f"off its head {c[:12]}"):
+            handle.result(60)
+        assert store.resolve("main") == c and store.versions_table().num_rows == 2
+        with pytest.raises(ds.errors.SaveFailedError):
+            store.wait()
+        assert store.save({"w": torch.full((4,), 3.0)}, branch="main", parents=[c]).parents == (c,)
+
+
+def test_the_commit_of_a_fork_checks_the_branch_under_the_lock(tmp_path: Path) -> None:
+    store, a, b, c = _diverged(tmp_path)
+    with store:
+        rec = record_dict(parents=[c], manifests=store.version(c).manifests, step=None, epoch=None, created=1.0,
+                          hparams={}, metrics={}, message="", branch="main", world_size=1, bytes_total=16,
+                          bytes_new=0, chunks_new=0, fork_of=None, explore=None)
+        before = snapshot(tmp_path / "s", with_catalog=True)
+        with pytest.raises(ConflictError):
+            make_fork_visible(rec, tier=store.tier, refs=store.refs, catalog=store.catalog, branch="main",
+                              message="race")
+        assert snapshot(tmp_path / "s", with_catalog=True) == before

@@ -51,6 +51,12 @@ class Flush:
     tagged_only: bool = False
     """Flush only versions that carry a tag (tagging an unflushed version flushes it)."""
 
+    def __post_init__(self) -> None:
+        """Raises InvalidArgumentError for an `every` that is not an int of 1 or more."""
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 1:
+            raise InvalidArgumentError(f"Flush(every={self.every!r}): every is a count of versions, 1 or more "
+                                       "(Flush(every=1) flushes each one)")
+
 
 @dataclass(frozen=True)
 class TierConfig:
@@ -78,8 +84,15 @@ def load(root: Path) -> TierConfig | None:
                                "the store again with its tiers (Store.open(path, hot=...))")
     tiers = data.get("tiers", {})
     flush = data.get("flush", {})
+    try:
+        every = int(flush.get("every", 1))
+    except (TypeError, ValueError) as exc:
+        raise StoreFormatError(f"{path}: [flush] every = {flush.get('every')!r} is not a whole number; fix it "
+                               "(every = 1 flushes each version)") from exc
+    # A file written before `Flush` checked `every` may hold 0 or less: the flusher always read that as 1, and so
+    # does this (refusing it would make the store unopenable).
     return TierConfig(hot=tiers.get("hot"), hot_capacity=parse_size(tiers.get("hot_capacity")),
-                      flush=Flush(every=int(flush.get("every", 1)), tagged_only=bool(flush.get("tagged_only", False))),
+                      flush=Flush(every=max(1, every), tagged_only=bool(flush.get("tagged_only", False))),
                       promote=bool(tiers.get("promote", True)))
 
 

@@ -23,6 +23,8 @@ def register(sub: Any) -> None:
     p.add_argument("ref", help="the version: id, prefix, branch, tag or REF~N")
     p.add_argument("out", help="the file (safetensors, torch) or directory (dcp) to write")
     p.add_argument("--format", choices=FORMATS, required=True)
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="export a version holding values saved with pickle (reading them runs code; trusted only)")
     p.set_defaults(handler=_export)
 
 
@@ -37,5 +39,5 @@ def _import(store: Store, args: argparse.Namespace) -> int:
 
 
 def _export(store: Store, args: argparse.Namespace) -> int:
-    print(export(store, args.ref, args.format, args.out))
+    print(export(store, args.ref, args.format, args.out, allow_pickle=args.allow_pickle))
     return 0

@@ -83,11 +83,13 @@ def import_checkpoints(store: Store, paths: Iterable[str | os.PathLike[str]], *,
     return report
 
 
-def export(store: Store, ref: Any, fmt: str, out: str | os.PathLike[str]) -> Path:
+def export(store: Store, ref: Any, fmt: str, out: str | os.PathLike[str], *, allow_pickle: bool = False) -> Path:
     """Write version `ref` as `fmt` ("safetensors", "torch" or "dcp") at `out`; return the path.
     safetensors holds the tensors under their key paths (other values are left out); torch and dcp hold
-    the whole state. Raises NotFoundError, InvalidArgumentError (unknown format, existing target)."""
+    the whole state. A version holding values saved with pickle is refused unless `allow_pickle` (CLI:
+    `--allow-pickle`): reading them runs code. Raises NotFoundError, InvalidArgumentError (unknown format,
+    existing target), UnsupportedValueError (pickled values, without `allow_pickle`)."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     v = store.version(ref)
-    return write(store.load(v), fmt, out, version=v.id)
+    return write(store.load(v, allow_pickle=allow_pickle), fmt, out, version=v.id)

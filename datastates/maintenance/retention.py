@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..base.files import canonical_json, write_new
-from ..errors import DataStatesError, InvalidArgumentError, NotFoundError
+from ..errors import ArgumentTypeError, DataStatesError, InvalidArgumentError, NotFoundError
 from ..meta.versions import Version, decode_record
 from ..repo.repository import Repository, as_repository
 
@@ -104,20 +104,33 @@ class Policy(ABC):
         return Retention(self, other)
 
 
+def _check_count(policy: str, field: str, value: Any, least: int) -> None:
+    """InvalidArgumentError unless `value` is an int (not a bool) of at least `least`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{policy}({field}={_short(repr(value))}): {field} is a count; give an int "
+                                   f"such as {policy}({max(least, 1) * 5})")
+    if value < least:
+        raise InvalidArgumentError(f"{policy}({field}={value}): {field} must be {least} or more")
+
+
+def _short(text: str, most: int = 60) -> str:
+    """`text` cut to `most` characters for a message (a metric name can be as long as its author made it)."""
+    return text if len(text) <= most else text[: most - 3] + "..."
+
+
 @dataclass(frozen=True)
 class KeepLatest(Policy):
     """The `n` newest versions (by commit time, then step), per branch a version was saved on, or overall.
 
     With `per_branch`, versions saved with no branch form one group of their own.
-    Raises ValueError for n < 0.
+    Raises InvalidArgumentError (a ValueError) for n < 0 or an n that is not an int.
     """
 
     n: int
     per_branch: bool = True
 
     def __post_init__(self) -> None:
-        if self.n < 0:
-            raise InvalidArgumentError(f"KeepLatest(n={self.n}): n must be 0 or more")
+        _check_count("KeepLatest", "n", self.n, 0)
 
     def keep(self, versions: list[Version], store: Repository) -> set[str]:
         groups: dict[str | None, list[Version]] = {}
@@ -139,7 +152,7 @@ class KeepBest(Policy):
     metrics={...})` puts results computed after the save); "annotations.x" and
     "hparams.x" read those only; a bare name means "metrics.<name>". Versions
     without a finite numeric value are never "best". Ties go to the newer version.
-    Raises ValueError for n < 0 or an unknown mode.
+    Raises InvalidArgumentError (a ValueError) for n < 0 (or not an int) or an unknown mode.
     """
 
     n: int
@@ -147,8 +160,7 @@ class KeepBest(Policy):
     mode: str = "min"
 
     def __post_init__(self) -> None:
-        if self.n < 0:
-            raise InvalidArgumentError(f"KeepBest(n={self.n}): n must be 0 or more")
+        _check_count("KeepBest", "n", self.n, 0)
         if self.mode not in ("min", "max"):
             raise InvalidArgumentError(f"KeepBest(mode={self.mode!r}): mode must be 'min' or 'max'")
         if not self.metric or not isinstance(self.metric, str):
@@ -165,8 +177,8 @@ class KeepBest(Policy):
         if versions and not scored and not any(_has_path(v, self.metric) for v in versions):
             known = sorted({p for v in versions for p in _paths(v)})
             close = difflib.get_close_matches(self.metric, known, n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(close)}?" if close else \
-                f"; the versions have {', '.join(known[:10]) or 'no metrics'}"
+            hint = f"; did you mean {', '.join(map(_short, close))}?" if close else \
+                f"; the versions have {', '.join(map(_short, known[:10])) or 'no metrics'}"
             raise NotFoundError(f"KeepBest: no version has {self.metric!r}{hint}")
         # Best first; among equals the newest first.
         scored.sort(key=lambda sv: (sv[0], -sv[1].created, -(sv[1].step if sv[1].step is not None else -1), sv[1].id))
@@ -177,14 +189,13 @@ class KeepBest(Policy):
 class KeepEvery(Policy):
     """Versions whose step is a multiple of `n_steps` (versions without a step are not kept by this rule).
 
-    Raises ValueError for n_steps < 1.
+    Raises InvalidArgumentError (a ValueError) for n_steps < 1 or not an int.
     """
 
     n_steps: int
 
     def __post_init__(self) -> None:
-        if self.n_steps < 1:
-            raise InvalidArgumentError(f"KeepEvery(n_steps={self.n_steps}): n_steps must be 1 or more")
+        _check_count("KeepEvery", "n_steps", self.n_steps, 1)
 
     def keep(self, versions: list[Version], store: Repository) -> set[str]:
         return {v.id for v in versions if v.step is not None and v.step % self.n_steps == 0}
@@ -219,9 +230,9 @@ class KeepIf(Policy):
 class Retention(Policy):
     """The union of several policies: a version is kept if any of them keeps it.
 
-    Raises ValueError when given no policy (that would prune every version but
+    Raises InvalidArgumentError when given no policy (that would prune every version but
     the tagged ones and the branch heads; say so with `Retention(KeepBranchHeads())`),
-    TypeError for something that is not a Policy.
+    ArgumentTypeError (a TypeError) for something that is not a Policy.
     """
 
     def __init__(self, *policies: Policy) -> None:
@@ -232,7 +243,7 @@ class Retention(Policy):
             elif isinstance(p, Policy):
                 flat.append(p)
             else:
-                raise TypeError(f"{p!r} is not a retention policy (KeepLatest, KeepBest, KeepEvery, KeepIf, ...)")
+                _check_policy(p)
         if not flat:
             raise InvalidArgumentError("Retention() needs at least one policy; Retention(KeepBranchHeads()) keeps only "
                                        "the branch heads and tagged versions")
@@ -430,6 +441,13 @@ def _plan(store: Repository, retention: Policy, dry_run: bool) -> tuple[PrunePla
     return plan, marked_only
 
 
+def _check_policy(retention: Any) -> None:
+    if not isinstance(retention, Policy):
+        raise ArgumentTypeError(
+            f"{_short(repr(retention))} is not a retention policy; give one such as KeepLatest(5), "
+            "Retention(KeepLatest(5), KeepBest(3, 'metrics.loss')) or KeepBranchHeads() (from datastates.retention)")
+
+
 def plan(store: Repository, retention: Policy) -> PrunePlan:
     """What `prune(store, retention)` would do now; changes nothing and takes no lock.
 
@@ -437,6 +455,7 @@ def plan(store: Repository, retention: Policy) -> PrunePlan:
     is gone is still planned, its bytes uncounted). Raises what a policy or protector raises.
     """
     store = as_repository(store)
+    _check_policy(retention)
     return _plan(store, retention, dry_run=True)[0]
 
 
@@ -453,6 +472,7 @@ def prune(store: Repository, retention: Policy, dry_run: bool = False) -> PruneP
     if dry_run:
         return plan(store, retention)
     store.check_open()
+    _check_policy(retention)
     tier = store.tier
     with tier.exclusive(), store.refs.locked():
         result, marked_only = _plan(store, retention, dry_run=False)

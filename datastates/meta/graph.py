@@ -7,7 +7,7 @@ forever; children are read from the catalog each time (new versions appear).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ..errors import NotFoundError
 from .catalog import Catalog
@@ -43,3 +43,24 @@ class CatalogGraph:
 
     def children(self, vid: str) -> Sequence[str]:
         return self.catalog.children(vid)
+
+
+def unreached(graph: CatalogGraph, start: str, roots: Iterable[str]) -> int:
+    """How many versions are `start` or its ancestors, and neither one of `roots` nor an ancestor of one: what
+    a ref at `start` alone keeps reachable by name, once it is deleted or moved (with `roots` the heads that
+    stay)."""
+    seen: set[str] = set()
+    stack = list(roots)
+    while stack:  # everything the roots reach
+        v = stack.pop()
+        if v not in seen:
+            seen.add(v)
+            stack.extend(graph.parents(v))
+    lost: set[str] = set()
+    stack = [start]
+    while stack:
+        v = stack.pop()
+        if v not in seen and v not in lost:
+            lost.add(v)
+            stack.extend(graph.parents(v))
+    return len(lost)

@@ -126,6 +126,11 @@ class RefStore:
                 out[name] = vid
         return out
 
+    def heads_but(self, kind: Kind, name: str) -> list[str]:
+        """The ids every readable branch and tag points at, but ref `name` of `kind`'s."""
+        return [v for k in ("branch", "tag") for n, v in self.names(k).items()  # type: ignore[arg-type]
+                if not (k == kind and n == name)]
+
     def damaged(self, kind: Kind) -> list[tuple[str, Path, str]]:
         """(name, file, why) of every ref file of `kind` that does not hold one version id."""
         return [(name, path, why) for name, path, _, why in self._scan(kind) if why]

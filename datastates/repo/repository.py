@@ -21,12 +21,13 @@ from ..errors import (
     ConflictError,
     IntegrityError,
     InvalidArgumentError,
+    InvalidNameError,
     NotFoundError,
     PrunedError,
     StoreClosedError,
 )
 from ..meta.catalog import Catalog
-from ..meta.graph import CatalogGraph
+from ..meta.graph import CatalogGraph, unreached
 from ..meta.refs import HEX_ID, RefStore, check_name
 from ..meta.versions import (
     LATER_METRICS,
@@ -118,7 +119,8 @@ class Repository:
         if isinstance(ref, SaveHandle):
             return ref.result().id
         if not isinstance(ref, str) or not ref:
-            raise NotFoundError(f"ref {ref!r} is not a string; give a version id, branch or tag")
+            what = "is empty" if ref == "" else "is not a string"
+            raise NotFoundError(f"ref {ref!r} {what}; give a version id, branch or tag")
         m = _REF_SUFFIX.match(ref)
         if m and m.group(1):
             base, suffix = m.group(1), m.group(2)
@@ -144,15 +146,16 @@ class Repository:
             found_ref = self.refs.get(kind, ref)  # type: ignore[arg-type]
             if found_ref is not None:
                 return found_ref
-        if re.fullmatch(r"[0-9a-f]{6,64}", ref):
-            found = self.catalog.ids_with_prefix(ref, limit=5)
+        if re.fullmatch(r"[0-9a-fA-F]{6,64}", ref):
+            # Ids are lower-case hex; one copied from an upper-casing tool still names its version.
+            found = self.catalog.ids_with_prefix(ref.lower(), limit=5)
             if len(found) == 1:
                 return found[0]
             if found:
                 raise AmbiguousRefError(
                     f"prefix {ref!r} matches several versions ({', '.join(f[:12] for f in found)}...); give more digits"
                 )
-        elif re.fullmatch(r"[0-9a-f]{1,5}", ref):
+        elif re.fullmatch(r"[0-9a-fA-F]{1,5}", ref):
             raise NotFoundError(f"ref {ref!r} is too short to be an id prefix (6 hex digits at least)")
         if self.catalog.version_count() == 0:  # pointing at `datastates log` would only repeat the failure
             raise NotFoundError(f"ref {ref!r} names nothing: the store has no versions yet; save one first "
@@ -171,8 +174,9 @@ class Repository:
     def create_branch(self, name: str, at: Any = "main", *, force: bool = False) -> str:
         """Create branch `name` at `at`; with force, move an existing one (logged). Returns the id.
 
-        Raises InvalidNameError, NotFoundError, ConflictError (exists, without force).
+        Raises StoreClosedError, InvalidNameError, NotFoundError, ConflictError (exists, without force).
         """
+        self.check_open()
         check_name(name, "branch")
         vid = self.resolve(at)
         self.check_unlike_other_kind("branch", name)
@@ -185,7 +189,9 @@ class Repository:
         return vid
 
     def create_tag(self, name: str, ref: Any = "main", message: str = "") -> str:
-        """Create an immutable tag. Raises InvalidNameError, NotFoundError, ConflictError (exists)."""
+        """Create an immutable tag. Raises StoreClosedError, InvalidNameError, NotFoundError, ConflictError
+        (exists)."""
+        self.check_open()
         check_name(name, "tag")
         vid = self.resolve(ref)
         self.check_unlike_other_kind("tag", name)
@@ -203,33 +209,20 @@ class Repository:
 
     def unreachable_if_deleted(self, kind: str, name: str) -> int:
         """How many versions no ref would reach (by name, as ancestor-or-self of a branch or tag head)
-        once ref `name` is gone. Raises NotFoundError."""
+        once ref `name` is gone. Raises InvalidNameError (not a string), NotFoundError."""
+        _check_ref_name(kind, name)
         head = self.refs.get(kind, name)  # type: ignore[arg-type]
         if head is None:
             raise NotFoundError(f"no {kind} named {name!r}; `datastates {kind}` lists them")
-        others = [v for k in ("branch", "tag") for n, v in self.refs.names(k).items()  # type: ignore[arg-type]
-                  if not (k == kind and n == name)]
-        graph = self.graph
-        seen: set[str] = set()
-        stack = list(others)
-        while stack:  # everything the other refs reach
-            v = stack.pop()
-            if v not in seen:
-                seen.add(v)
-                stack.extend(graph.parents(v))
-        lost: set[str] = set()
-        stack = [head]
-        while stack:
-            v = stack.pop()
-            if v not in seen and v not in lost:
-                lost.add(v)
-                stack.extend(graph.parents(v))
-        return len(lost)
+        return unreached(self.graph, head, self.refs.heads_but(kind, name))  # type: ignore[arg-type]
 
     def delete_ref(self, kind: str, name: str, *, force: bool = True) -> str:
         """Delete a branch or tag here and on cold (else the next open's refresh would bring it back).
         Without `force`, a branch whose head no other ref reaches is kept (like `git branch -d`).
-        Returns the id it named. Raises NotFoundError, ConflictError (unmerged, without force)."""
+        Returns the id it named. Raises StoreClosedError, InvalidNameError (not a string), NotFoundError,
+        ConflictError (unmerged, without force)."""
+        self.check_open()
+        _check_ref_name(kind, name)
         if not force:
             lost = self.unreachable_if_deleted(kind, name)
             if lost:
@@ -330,9 +323,10 @@ class Repository:
         `metrics={...}` (numbers or None, as for save) are metrics computed after the save: they read
         as the version's metrics (`Version.metrics`, `find("metrics.x ...")`, the versions table),
         laid over the record's. `annotations={...}` and `key=value` are free-form annotations.
-        Keys starting with '_' are reserved. Raises InvalidArgumentError, UnsupportedValueError,
-        NotFoundError.
+        Keys starting with '_' are reserved. Raises StoreClosedError, InvalidArgumentError,
+        UnsupportedValueError, NotFoundError.
         """
+        self.check_open()
         vid = self.resolve(ref)
         later = plain_json(metrics, "metrics", numbers_only=True)
         flat = plain_json(annotations, "annotations")
@@ -380,6 +374,14 @@ def as_repository(store: Any) -> Repository:
     if not isinstance(repo, Repository):
         raise TypeError(f"expected a datastates Store or Repository, not {type(store).__name__}")
     return repo
+
+
+def _check_ref_name(kind: str, name: Any) -> None:
+    """InvalidNameError for a ref name that is not a non-empty str (no ref can have it); a str is looked up as
+    it is, so a ref made before a naming rule existed can still be deleted."""
+    if not isinstance(name, str) or not name:
+        raise InvalidNameError(f"{kind} name {name!r} is not a name; `datastates {kind}` lists the "
+                               f"{kind}{'es' if kind == 'branch' else 's'}")
 
 
 def label(ref: Any) -> str:

@@ -33,6 +33,7 @@ from ..meta.versions import encode_record, record_dict
 from ..objects.chunks import ChunkLocation
 from ..objects.tier import Tier
 from . import manifest as mf
+from .commit import check_branch_move
 from .job import SaveJob
 from .placement import Placement
 from .tree import TensorEntry, dtype_name
@@ -217,9 +218,10 @@ def _commit_on_root(job: SaveJob, dist: DistPlan, phase1: list[dict[str, Any]], 
     chunks, packs = _merged(phase1)
     _write_manifests(tier, phase1)  # the other ranks' manifests, on rank 0's node too
     with refs.locked():
-        before_record()
         head = refs.get("branch", branch) if branch else None
         parents = req["parents"] if req["parents"] is not None else ([head] if head else [])
+        check_branch_move(refs, catalog, branch, head, parents, req.get("force", False))
+        before_record()
         rec = record_dict(
             parents=parents, manifests={str(r): rep["mid"] for r, rep in enumerate(phase1)}, step=req["step"],
             epoch=req["epoch"], created=time.time(), hparams=req["hparams"], metrics=req["metrics"],

@@ -5,6 +5,10 @@ Order, and why: the packs are sealed and fsync'd (the pipeline did that) and the
 written before the record; the record file is written (temp + fsync + rename + dir fsync)
 before the catalog names it; the branch moves last, by compare-and-swap, under the ref lock.
 A crash at any point leaves either nothing visible or a whole version.
+
+A branch moves to a version that does not descend from its head (explicit `parents`, a fork of
+another line) only if no version is left reachable by id and the reflog alone, or with `force`
+(`check_branch_move`, under the ref lock, so a save racing another writer is checked too).
 """
 
 from __future__ import annotations
@@ -14,13 +18,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..errors import ConflictError
 from ..meta.catalog import Catalog, CommitBatch
+from ..meta.graph import CatalogGraph, unreached
 from ..meta.refs import RefStore
 from ..meta.versions import encode_record, record_dict
 from ..objects.chunks import ChunkLocation
 from ..objects.tier import Tier
 from . import manifest as mf
 from .job import SaveJob
+
+
+def check_branch_move(refs: RefStore, catalog: Catalog, branch: str | None, head: str | None,
+                      parents: list[str], force: bool, what: str = "save") -> None:
+    """ConflictError if moving `branch` from `head` to a new version with `parents` would leave versions
+    reachable only by id and the reflog (`head` is no ancestor of the new version, and no other branch or
+    tag reaches it), unless `force`. A branch that does not exist yet, or whose head is a parent, moves
+    without a walk (a save with default parents always does). Changes nothing."""
+    if force or branch is None or head is None or head in parents:
+        return
+    lost = unreached(CatalogGraph(catalog), head, [*parents, *refs.heads_but("branch", branch)])
+    if lost:
+        raise ConflictError(
+            f"this {what} would move branch {branch!r} off its head {head[:12]}, which the new version does not "
+            f"descend from: {lost} version(s) would be reachable only by id and the reflog. Give it another "
+            f"branch, tag the head first (`datastates tag keep-{head[:12]} {head[:12]}`), or pass force=True")
 
 
 def manifest_of(job: SaveJob) -> tuple[str, memoryview]:
@@ -44,9 +66,10 @@ def make_visible(job: SaveJob, *, tier: Tier, refs: RefStore, catalog: Catalog,
     req = job.request
     branch = req["branch"]
     with refs.locked():
-        before_record()
         head = refs.get("branch", branch) if branch else None
         parents = req["parents"] if req["parents"] is not None else ([head] if head else [])
+        check_branch_move(refs, catalog, branch, head, parents, req.get("force", False))
+        before_record()
         rec = record_dict(
             parents=parents, manifests={"0": mid}, step=req["step"], epoch=req["epoch"], created=time.time(),
             hparams=req["hparams"], metrics=req["metrics"], message=req["message"], branch=branch,
@@ -70,15 +93,18 @@ def make_visible(job: SaveJob, *, tier: Tier, refs: RefStore, catalog: Catalog,
 
 
 def make_fork_visible(rec: dict[str, Any], *, tier: Tier, refs: RefStore, catalog: Catalog,
-                      branch: str | None, message: str) -> str:
+                      branch: str | None, message: str, force: bool = False) -> str:
     """Commit a version that names existing manifests (a fork): record, catalog, then the branch.
-    Returns its id. No bytes of tensors are read or written."""
+    Returns its id. No bytes of tensors are read or written. Raises ConflictError (`check_branch_move`)
+    with nothing written."""
     vid, data = encode_record(rec)
     with tier.writing(), refs.locked():
+        head = refs.get("branch", branch) if branch else None
+        check_branch_move(refs, catalog, branch, head, list(rec["parents"]), force, "fork")
         tier.write_record(vid, data)
         _commit_or_unwrite(tier, vid, catalog, CommitBatch(vid, data, list(rec["parents"])))
         if branch:
-            refs.set_if_equals("branch", branch, refs.get("branch", branch), vid, message, locked=True)
+            refs.set_if_equals("branch", branch, head, vid, message, locked=True)
     return vid
 
 
@@ -137,6 +163,7 @@ def make_staged_visible(parts: dict[str, Staged], request: dict[str, Any], *, wo
     with tier.writing(), refs.locked():
         head = refs.get("branch", branch) if branch else None
         parents = request["parents"] if request["parents"] is not None else ([head] if head else [])
+        check_branch_move(refs, catalog, branch, head, parents, request.get("force", False))
         rec = record_dict(
             parents=parents, manifests={k: p.mid for k, p in parts.items()}, step=request["step"],
             epoch=request["epoch"], created=time.time(), hparams=request["hparams"], metrics=request["metrics"],

@@ -18,12 +18,15 @@ Resolve = Callable[[Any], str]
 
 
 def save_request(resolve: Resolve, *, branch: str | None, parents: Sequence[Any] | None, step: Any, epoch: Any,
-                 hparams: Any, metrics: Any, message: Any, fork_of: Any, explore: Any) -> dict[str, Any]:
-    """The validated fields of a save. Raises InvalidNameError, InvalidArgumentError,
+                 hparams: Any, metrics: Any, message: Any, fork_of: Any, explore: Any,
+                 force: Any = False) -> dict[str, Any]:
+    """The validated fields of a save (`force`: the branch may move off a head the version does not descend
+    from; see `commit.check_branch_move`). Raises InvalidNameError, InvalidArgumentError,
     UnsupportedValueError, NotFoundError (unknown parents)."""
     if branch is not None:
         check_name(branch, "branch")
     return {
+        "force": check_flag(force, "force"),
         "branch": branch,
         "parents": None if parents is None else [resolve(p) for p in parent_list(parents)],
         "step": whole_number(step, "step"),
@@ -52,6 +55,13 @@ def fork_record(src: Version, resolve: Resolve, *, branch: str | None, parents: 
         fork_of=None if fork_of is None else resolve(fork_of),
         explore=None if explore is None else plain_json(explore, "explore"),
     )
+
+
+def check_flag(value: Any, what: str) -> bool:
+    """`value` if it is a bool; InvalidArgumentError otherwise (a str such as "no" would be true)."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{what}={value!r} is not True or False")
+    return value
 
 
 def parent_list(parents: Any) -> list[Any]:

@@ -812,7 +812,7 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
         if not allow_pickle:
             raise UnsupportedValueError(
                 f"{path or '<state>'} was saved with pickle; loading it runs code chosen by whoever saved it. "
-                "Pass allow_pickle=True only if you trust this store"
+                "Pass allow_pickle=True (on the command line: --allow-pickle) only if you trust this store"
             )
         return pickle.loads(base64.b64decode(node["v"]))
     raise UnsupportedValueError(f"{path or '<state>'} has node type {t!r} unknown to this datastates; upgrade it")

@@ -157,6 +157,28 @@ def main() -> None:
         v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
         report(rank, {"rank": rank, "first": first, "visible_after_failure": visible, "second": v.id,
                       "log": [x.step for x in store.log("main")]})
+    elif mode == "offhead":
+        # A collective save whose explicit parents leave main's head reachable by no ref: rank 0's commit refuses
+        # it under the ref lock, and every rank hears of it (no rank refuses at the call and leaves the others
+        # waiting in the save's collectives).
+        v1 = store.save({**replicated_state(1), "shard": shard(rank, 1)}, step=1, replicated=["model", "optim"])
+        store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
+        try:
+            store.save({**replicated_state(3), "shard": shard(rank, 3)}, step=3, parents=[v1.id],
+                       replicated=["model", "optim"])
+            first = "saved"
+        except ds.DataStatesError as exc:
+            first = type(exc).__name__
+            try:
+                store.wait()
+            except ds.SaveFailedError:
+                pass
+        visible = len(store.find(""))
+        forced = store.save({**replicated_state(3), "shard": shard(rank, 3)}, step=3, parents=[v1.id], force=True,
+                            replicated=["model", "optim"])
+        report(rank, {"rank": rank, "first": first, "visible_after_refusal": visible,
+                      "forced_parents": list(forced.parents), "v1": v1.id,
+                      "log": [x.step for x in store.log("main")]})
     elif mode == "load":
         v = store.version("main")
         # node-local tiers: first the packs this rank's load needs from other nodes (a restart)
