@@ -410,12 +410,13 @@ class Store(Queries):
 
     def commit_staged(self, parts: dict[str, Staged], *, world_size: int, branch: str | None = "main",
                       parents: Sequence[Any] | None = None, step: int | None = None, hparams: Any = None,
-                      metrics: Any = None, message: str = "") -> Version:
+                      metrics: Any = None, message: str = "", force: bool = False) -> Version:
         """One version naming staged parts (manifest key -> part, e.g. {"0": ..., "1": ...}), saved by
-        `world_size` ranks. Raises what `save` raises for its arguments, before anything is written."""
+        `world_size` ranks. Raises what `save` raises for its arguments (`force` as there), before anything is
+        written."""
         self._check_open()
         request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=None, hparams=hparams,
-                               metrics=metrics, message=message, fork_of=None, explore=None)
+                               metrics=metrics, message=message, fork_of=None, explore=None, force=force)
         vid, to_flush = make_staged_visible(parts, request, world_size=world_size, tier=self.tier, refs=self.refs,
                                             catalog=self.catalog, wants_flush=self._wants_flush)
         if to_flush and self.flusher is not None:

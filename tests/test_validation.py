@@ -382,3 +382,37 @@ def test_the_commit_of_a_fork_checks_the_branch_under_the_lock(tmp_path: Path) -
             make_fork_visible(rec, tier=store.tier, refs=store.refs, catalog=store.catalog, branch="main",
                               message="race")
         assert snapshot(tmp_path / "s", with_catalog=True) == before
+
+
+def test_a_ref_whose_line_leads_to_a_version_the_catalog_lacks_does_not_block_a_move(tmp_path: Path) -> None:
+    """The move check walks every other ref's line; one reaching a record fsck set aside (or a parent another
+    host never flushed) failed every save(parents=...) and fork with NotFoundError, on any branch."""
+    store = ds.Store.open(tmp_path / "s")
+    with store:
+        a = store.save({"w": torch.full((4,), 1.0)}, branch="old").id
+        store.save({"w": torch.full((4,), 2.0)}, branch="old")
+        record = store.tier.record_path(a)
+        raw = bytearray(record.read_bytes())
+        raw[-3] ^= 1
+        record.write_bytes(bytes(raw))
+        store.fsck(rebuild=True)
+        assert store.catalog.record(a) is None
+        x1 = store.save({"w": torch.full((4,), 10.0)}, branch="exp").id
+        x2 = store.save({"w": torch.full((4,), 11.0)}, branch="exp").id
+        store.tag("keep", x2)
+        back = store.save({"w": torch.full((4,), 12.0)}, branch="exp", parents=[x1])  # x2 stays tagged
+        assert store.resolve("exp") == back.id and back.parents == (x1,)
+        store.tag("keep2", back.id)
+        assert store.fork(x1, branch="exp").parents == (x1,)
+
+
+def test_commit_staged_takes_force_as_save_does(tmp_path: Path) -> None:
+    store = ds.Store.open(tmp_path / "s")
+    with store:
+        a = store.save({"w": torch.zeros(4)}, branch="main").id
+        store.save({"w": torch.ones(4)}, branch="main")
+        part = store.stage({"w": torch.full((4,), 2.0)})
+        with pytest.raises(ConflictError, match="pass force=True"):
+            store.commit_staged({"0": part}, world_size=1, branch="main", parents=[a])
+        v = store.commit_staged({"0": part}, world_size=1, branch="main", parents=[a], force=True)
+        assert store.resolve("main") == v.id and torch.equal(store.load(v.id)["w"], torch.full((4,), 2.0))

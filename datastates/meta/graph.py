@@ -48,19 +48,28 @@ class CatalogGraph:
 def unreached(graph: CatalogGraph, start: str, roots: Iterable[str]) -> int:
     """How many versions are `start` or its ancestors, and neither one of `roots` nor an ancestor of one: what
     a ref at `start` alone keeps reachable by name, once it is deleted or moved (with `roots` the heads that
-    stay)."""
+    stay). A version the catalog lacks (a parent another host never flushed, a record fsck set aside) ends its
+    walk there: it has no parents to follow, and the versions past it are not counted."""
     seen: set[str] = set()
     stack = list(roots)
     while stack:  # everything the roots reach
         v = stack.pop()
         if v not in seen:
             seen.add(v)
-            stack.extend(graph.parents(v))
+            stack.extend(_known_parents(graph, v))
     lost: set[str] = set()
     stack = [start]
     while stack:
         v = stack.pop()
         if v not in seen and v not in lost:
             lost.add(v)
-            stack.extend(graph.parents(v))
+            stack.extend(_known_parents(graph, v))
     return len(lost)
+
+
+def _known_parents(graph: CatalogGraph, vid: str) -> Sequence[str]:
+    # Another ref's line may lead to a version this catalog lacks; it must not fail a move of an unrelated branch.
+    try:
+        return graph.parents(vid)
+    except NotFoundError:
+        return ()

@@ -155,7 +155,7 @@ class Repository:
                 raise AmbiguousRefError(
                     f"prefix {ref!r} matches several versions ({', '.join(f[:12] for f in found)}...); give more digits"
                 )
-        elif re.fullmatch(r"[0-9a-fA-F]{1,5}", ref):
+        elif re.fullmatch(r"[0-9a-f]{1,5}", ref):
             raise NotFoundError(f"ref {ref!r} is too short to be an id prefix (6 hex digits at least)")
         if self.catalog.version_count() == 0:  # pointing at `datastates log` would only repeat the failure
             raise NotFoundError(f"ref {ref!r} names nothing: the store has no versions yet; save one first "
@@ -377,8 +377,7 @@ def as_repository(store: Any) -> Repository:
 
 
 def _check_ref_name(kind: str, name: Any) -> None:
-    """InvalidNameError for a ref name that is not a non-empty str (no ref can have it); a str is looked up as
-    it is, so a ref made before a naming rule existed can still be deleted."""
+    """InvalidNameError for a ref name that is not a non-empty str (no ref can have it), before any lookup."""
     if not isinstance(name, str) or not name:
         raise InvalidNameError(f"{kind} name {name!r} is not a name; `datastates {kind}` lists the "
                                f"{kind}{'es' if kind == 'branch' else 's'}")
