@@ -171,8 +171,13 @@ def test_mpi_a_failing_rank_fails_the_save_on_every_rank_and_the_next_save_works
 @mpi
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
-def test_mpi_a_save_that_would_orphan_the_branch_head_is_refused_on_every_rank_unless_forced(tmp_path: Path) -> None:
-    _, out = mpirun(2, tmp_path / "store", "offhead")
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_mpi_a_save_that_would_orphan_the_branch_head_is_refused_on_every_rank_unless_forced(
+        tmp_path: Path, nodes: int) -> None:
+    """On two (fake) nodes each with its own hot tier, the forced move is applied on both: every rank's log of
+    main, read from its own node, shows it."""
+    env = {"FAKE_NODES": "2", "DIST_HOT": str(tmp_path / "hot-{node}")} if nodes == 2 else None
+    _, out = mpirun(2, tmp_path / "store", "offhead", env=env)
     assert sorted(r["rank"] for r in out) == [0, 1]
     firsts = {r["rank"]: r["first"] for r in out}
     assert firsts == {0: "ConflictError", 1: "SaveFailedError"}, firsts

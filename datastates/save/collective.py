@@ -26,7 +26,7 @@ from typing import Any
 import blake3
 
 from ..base.comm import Comm, exchange_files
-from ..errors import InvalidArgumentError, SaveFailedError
+from ..errors import ConflictError, InvalidArgumentError, SaveFailedError
 from ..meta.catalog import Catalog, CommitBatch
 from ..meta.refs import RefStore
 from ..meta.versions import encode_record, record_dict
@@ -148,7 +148,7 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
         assert placement is not None
         if placement.applies_commits:
             apply_on_node(vid, data, phase1, tier=tier, refs=refs, catalog=catalog, to_flush=to_flush,
-                          overwrite_chunks=overwrite_chunks)
+                          overwrite_chunks=overwrite_chunks, force=job.request.get("force", False))
         # Every rank returns only once its node's catalog holds the version: its flusher and its next
         # calls (log, load) look it up there.
         comm.barrier()
@@ -188,10 +188,11 @@ def _write_manifests(tier: Tier, phase1: list[dict[str, Any]]) -> None:
 
 
 def apply_on_node(vid: str, data: bytes, phase1: list[dict[str, Any]], *, tier: Tier, refs: RefStore,
-                  catalog: Catalog, to_flush: bool, overwrite_chunks: bool) -> None:
+                  catalog: Catalog, to_flush: bool, overwrite_chunks: bool, force: bool = False) -> None:
     """Write rank 0's commit `vid` into this node's hot tier and catalog: every rank's manifest, the
-    record, the chunk index, and the branch (moved to `vid` when it still points at a parent of it, as
-    on rank 0). Idempotent: a catalog that already holds `vid` (a tier shared with rank 0) is left as is."""
+    record, the chunk index, and the branch, moved to `vid` by the rule rank 0's commit applied
+    (`check_branch_move`, with the save's `force`): a branch this node's saves moved elsewhere is not taken
+    from its line. Idempotent: a catalog that already holds `vid` (a tier shared with rank 0) is left as is."""
     rec = json.loads(data)
     with refs.locked():
         if catalog.record(vid) is not None:
@@ -206,8 +207,11 @@ def apply_on_node(vid: str, data: bytes, phase1: list[dict[str, Any]], *, tier: 
         branch = rec.get("branch")
         if branch:
             head = refs.get("branch", branch)
-            if head is None or head in parents:
-                refs.set_if_equals("branch", branch, head, vid, "save (collective, applied on this node)", locked=True)
+            try:
+                check_branch_move(refs, catalog, branch, head, parents, force)
+            except ConflictError:
+                return  # this node's head is on no line the version continues, and nothing else names it
+            refs.set_if_equals("branch", branch, head, vid, "save (collective, applied on this node)", locked=True)
 
 
 def _commit_on_root(job: SaveJob, dist: DistPlan, phase1: list[dict[str, Any]], *, tier: Tier, refs: RefStore,
