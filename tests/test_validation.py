@@ -416,3 +416,20 @@ def test_commit_staged_takes_force_as_save_does(tmp_path: Path) -> None:
             store.commit_staged({"0": part}, world_size=1, branch="main", parents=[a])
         v = store.commit_staged({"0": part}, world_size=1, branch="main", parents=[a], force=True)
         assert store.resolve("main") == v.id and torch.equal(store.load(v.id)["w"], torch.full((4,), 2.0))
+
+
+@pytest.mark.parametrize("kw", [
+    {"hparams": {"s": "x" * (2 << 20)}},
+    {"metrics": {f"m{i}": 0.5 for i in range(100_000)}},
+    {"message": "y" * (2 << 20)},
+])
+def test_record_fields_over_a_mebibyte_are_refused_before_anything_is_written(tmp_path: Path, kw: Any) -> None:
+    """A 50 MB hparams string was stored in the record that every log and query reads."""
+    with ds.Store.open(tmp_path / "s") as store:
+        store.save(W, branch="main")
+        before = snapshot(tmp_path / "s", with_catalog=True)
+        assert "bytes as JSON, more than the 1,048,576" in _refused(store, InvalidArgumentError, **kw)
+        with pytest.raises(InvalidArgumentError, match="more than the 1,048,576"):
+            store.fork("main", branch="f", **kw)
+        assert snapshot(tmp_path / "s", with_catalog=True) == before
+        assert store.save(W, branch="main", hparams={"s": "x" * 500_000}).hparams["s"] == "x" * 500_000

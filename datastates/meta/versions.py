@@ -205,6 +205,24 @@ MAX_INT = 2**63 - 1
 """Largest integer a record field may hold: the versions table stores numbers as int64/float64."""
 
 
+MAX_FIELD_BYTES = 1 << 20
+"""The most a record's hparams, metrics, explore or message (and a version's annotations) may take as JSON:
+every log, query and versions table reads them (MLflow bounds a param to a few KB; this leaves room for a
+whole config)."""
+
+
+def check_size(value: Any, what: str) -> None:
+    """InvalidArgumentError if `value` (plain JSON) takes more than MAX_FIELD_BYTES as canonical JSON."""
+    from ..errors import InvalidArgumentError
+
+    size = len(canonical_json(value))
+    if size > MAX_FIELD_BYTES:
+        raise InvalidArgumentError(
+            f"{what} take {size:,} bytes as JSON, more than the {MAX_FIELD_BYTES:,} a version may hold there "
+            "(every log and query reads them); keep big values in the saved state as tensors, or in a file, "
+            "and name them here")
+
+
 def check_text(value: Any, what: str) -> str:
     """`value` if it is a str without NUL and without lone surrogates (neither survives a file name or
     UTF-8 JSON); else InvalidArgumentError naming `what`."""
@@ -231,7 +249,8 @@ def plain_json(value: Any, what: str, *, numbers_only: bool = False) -> dict[str
     With `numbers_only` (metrics) the leaves are int/float (not bool) or None, dicts may nest.
     NaN and +-inf are refused: the canonical JSON record cannot hold them (docs/format.md).
     Raises UnsupportedValueError (a value of a type that cannot be stored) or InvalidArgumentError
-    (not a dict, a bad key, NaN/inf, an int too large, a str leaf in metrics), naming the offending path.
+    (not a dict, a bad key, NaN/inf, an int too large, a str leaf in metrics, more than MAX_FIELD_BYTES in
+    all), naming the offending path.
     """
     from ..errors import InvalidArgumentError, UnsupportedValueError
 
@@ -287,4 +306,6 @@ def plain_json(value: Any, what: str, *, numbers_only: bool = False) -> dict[str
     if not isinstance(value, dict):
         raise InvalidArgumentError(f"{what}={value!r} is a {type(value).__name__}, not a dict; "
                                    f"give a dict such as {what}={{'loss': 0.5}}")
-    return mapping(value, what)
+    out = mapping(value, what)
+    check_size(out, what)
+    return out

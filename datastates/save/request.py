@@ -11,7 +11,7 @@ from typing import Any
 
 from ..errors import InvalidArgumentError
 from ..meta.refs import check_name
-from ..meta.versions import MAX_INT, Version, check_text, plain_json, record_dict
+from ..meta.versions import MAX_INT, Version, check_size, check_text, plain_json, record_dict
 
 Resolve = Callable[[Any], str]
 """Turns a ref (id, prefix, branch, tag, Version, handle) into a version id; raises NotFoundError."""
@@ -33,7 +33,7 @@ def save_request(resolve: Resolve, *, branch: str | None, parents: Sequence[Any]
         "epoch": whole_number(epoch, "epoch"),
         "hparams": plain_json(hparams, "hparams"),
         "metrics": plain_json(metrics, "metrics", numbers_only=True),
-        "message": check_text(message, "message"),
+        "message": _message(message),
         "fork_of": None if fork_of is None else resolve(fork_of),
         "explore": None if explore is None else plain_json(explore, "explore"),
     }
@@ -49,12 +49,18 @@ def fork_record(src: Version, resolve: Resolve, *, branch: str | None, parents: 
         parents=[resolve(p) for p in parent_list(parents)] if parents is not None else [src.id],
         manifests=src.manifests, step=src.step if step is None else whole_number(step, "step"), epoch=src.epoch,
         created=time.time(), hparams=plain_json(src.hparams if hparams is None else hparams, "hparams"),
-        metrics=plain_json(metrics, "metrics", numbers_only=True), message=check_text(message, "message"),
+        metrics=plain_json(metrics, "metrics", numbers_only=True), message=_message(message),
         branch=branch, world_size=src.world_size,
         bytes_total=src.bytes_total, bytes_new=0, chunks_new=0,
         fork_of=None if fork_of is None else resolve(fork_of),
         explore=None if explore is None else plain_json(explore, "explore"),
     )
+
+
+def _message(value: Any) -> str:
+    text = check_text(value, "message")
+    check_size(text, "message")
+    return text
 
 
 def check_flag(value: Any, what: str) -> bool:
