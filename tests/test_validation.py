@@ -433,3 +433,10 @@ def test_record_fields_over_a_mebibyte_are_refused_before_anything_is_written(tm
             store.fork("main", branch="f", **kw)
         assert snapshot(tmp_path / "s", with_catalog=True) == before
         assert store.save(W, branch="main", hparams={"s": "x" * 500_000}).hparams["s"] == "x" * 500_000
+
+
+def test_a_refused_huge_value_is_shown_cut_short(tmp_path: Path) -> None:
+    with ds.Store.open(tmp_path / "s") as store:
+        message = _refused(store, InvalidArgumentError, message="z" * 5_000_000 + "\x00")
+        assert "contains a NUL character" in message and len(message) < 300
+        assert len(_refused(store, InvalidArgumentError, metrics={"loss": ["x" * 100_000]})) < 400

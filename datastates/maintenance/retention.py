@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..base.files import canonical_json, write_new
 from ..errors import ArgumentTypeError, DataStatesError, InvalidArgumentError, NotFoundError
-from ..meta.versions import Version, decode_record
+from ..meta.versions import Version, cut, decode_record, shown
 from ..repo.repository import Repository, as_repository
 
 if TYPE_CHECKING:
@@ -107,15 +107,10 @@ class Policy(ABC):
 def _check_count(policy: str, field: str, value: Any, least: int) -> None:
     """InvalidArgumentError unless `value` is an int (not a bool) of at least `least`."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{policy}({field}={_short(repr(value))}): {field} is a count; give an int "
+        raise InvalidArgumentError(f"{policy}({field}={shown(value)}): {field} is a count; give an int "
                                    f"such as {policy}({max(least, 1) * 5})")
     if value < least:
         raise InvalidArgumentError(f"{policy}({field}={value}): {field} must be {least} or more")
-
-
-def _short(text: str, most: int = 60) -> str:
-    """`text` cut to `most` characters for a message (a metric name can be as long as its author made it)."""
-    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 @dataclass(frozen=True)
@@ -177,8 +172,8 @@ class KeepBest(Policy):
         if versions and not scored and not any(_has_path(v, self.metric) for v in versions):
             known = sorted({p for v in versions for p in _paths(v)})
             close = difflib.get_close_matches(self.metric, known, n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(map(_short, close))}?" if close else \
-                f"; the versions have {', '.join(map(_short, known[:10])) or 'no metrics'}"
+            hint = f"; did you mean {', '.join(map(cut, close))}?" if close else \
+                f"; the versions have {', '.join(map(cut, known[:10])) or 'no metrics'}"
             raise NotFoundError(f"KeepBest: no version has {self.metric!r}{hint}")
         # Best first; among equals the newest first.
         scored.sort(key=lambda sv: (sv[0], -sv[1].created, -(sv[1].step if sv[1].step is not None else -1), sv[1].id))
@@ -444,7 +439,7 @@ def _plan(store: Repository, retention: Policy, dry_run: bool) -> tuple[PrunePla
 def _check_policy(retention: Any) -> None:
     if not isinstance(retention, Policy):
         raise ArgumentTypeError(
-            f"{_short(repr(retention))} is not a retention policy; give one such as KeepLatest(5), "
+            f"{shown(retention)} is not a retention policy; give one such as KeepLatest(5), "
             "Retention(KeepLatest(5), KeepBest(3, 'metrics.loss')) or KeepBranchHeads() (from datastates.retention)")
 
 

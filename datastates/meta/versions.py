@@ -205,6 +205,16 @@ MAX_INT = 2**63 - 1
 """Largest integer a record field may hold: the versions table stores numbers as int64/float64."""
 
 
+def cut(text: str, most: int = 80) -> str:
+    """`text` cut to `most` characters for a message (a value or a name can be as long as its author made it)."""
+    return text if len(text) <= most else f"{text[: most - 5]}...{text[-2:]}"
+
+
+def shown(value: Any, most: int = 80) -> str:
+    """`repr(value)` cut to `most` characters, for a message (the value may be a 50 MB string)."""
+    return cut(repr(value), most)
+
+
 MAX_FIELD_BYTES = 1 << 20
 """The most a record's hparams, metrics, explore or message (and a version's annotations) may take as JSON:
 every log, query and versions table reads them (MLflow bounds a param to a few KB; this leaves room for a
@@ -231,11 +241,11 @@ def check_text(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise InvalidArgumentError(f"{what} is a {type(value).__name__}; give a str")
     if "\x00" in value:
-        raise InvalidArgumentError(f"{what} {value!r} contains a NUL character; remove it")
+        raise InvalidArgumentError(f"{what} {shown(value)} contains a NUL character; remove it")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgumentError(f"{what} {value!r} contains a lone surrogate, which is not text; "
+        raise InvalidArgumentError(f"{what} {shown(value)} contains a lone surrogate, which is not text; "
                                    "decode your bytes with errors='replace'") from None
     return value
 
@@ -270,7 +280,7 @@ def plain_json(value: Any, what: str, *, numbers_only: bool = False) -> dict[str
         if v is None:
             return None
         if numbers_only and isinstance(v, (bool, str, list, tuple)):
-            raise InvalidArgumentError(f"{path}={v!r} is a {type(v).__name__}; {what} take {allowed}, "
+            raise InvalidArgumentError(f"{path}={shown(v)} is a {type(v).__name__}; {what} take {allowed}, "
                                        f"e.g. {what}={{'loss': 0.5}} (put labels in hparams or annotations)")
         if isinstance(v, bool):
             return v
@@ -304,7 +314,7 @@ def plain_json(value: Any, what: str, *, numbers_only: bool = False) -> dict[str
         return {}
     value = scalar(value)
     if not isinstance(value, dict):
-        raise InvalidArgumentError(f"{what}={value!r} is a {type(value).__name__}, not a dict; "
+        raise InvalidArgumentError(f"{what}={shown(value)} is a {type(value).__name__}, not a dict; "
                                    f"give a dict such as {what}={{'loss': 0.5}}")
     out = mapping(value, what)
     check_size(out, what)
