@@ -284,3 +284,59 @@ def test_find_without_order_is_by_creation_and_tiers_du_say_what_they_mean(
         s.prune(KeepLatest(1))
     rc, out, _ = run(capsys, "--store", str(path), "du")
     assert rc == 0 and "pruned" in out and "dedup and pruning" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["tag", ""], "tag name '' is empty"),
+    (["tag", "-d", ""], "tag name '' is not a name"),
+    (["branch", ""], "branch name '' is empty"),
+    (["branch", "", "main"], "branch name '' is empty"),
+    (["branch", "-d", ""], "branch name '' is not a name"),
+    (["plot", "norms", "main", "-o", "x.zzz"], "ending in .png, .svg, .pdf"),
+    (["plot", "norms", "main", "--dpi", "-5"], "--dpi -5: give a positive number"),
+    (["plot", "norms", "main", "-o", "no/such/dir/n.png"], "does not exist; create it first"),
+])
+def test_an_empty_ref_name_and_a_bad_image_are_refused_in_one_line(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], words: str) -> None:
+    """`tag ''` listed the tags and `branch ''` printed nothing, both with exit 0; a bad --out or --dpi ended
+    in matplotlib's traceback after the figure was drawn."""
+    from helpers.states import snapshot
+
+    path, _ = made
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(path, with_catalog=True)
+    rc, out, err = run(capsys, "--store", str(path), *argv)
+    assert rc == 1 and out == "" and words in err and len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err and snapshot(path, with_catalog=True) == before
+    assert not list(tmp_path.glob("x.*"))
+
+
+def test_deleting_a_ref_says_what_it_named(made: tuple[Path, list[ds.Version]],
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    path, vs = made
+    assert run(capsys, "--store", str(path), "tag", "t", vs[1].id)[0] == 0
+    assert run(capsys, "--store", str(path), "tag", "-d", "t")[:2] == (0, f"deleted tag t (was {vs[1].short})\n")
+    rc, out, _ = run(capsys, "--store", str(path), "branch", "-D", "exp")
+    assert (rc, out) == (0, f"deleted branch exp (was {vs[0].short})\n")
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--step-from", "("], "is not a regex"),
+    (["--step-from", "ck_(step)"], "found 'step'"),
+    (["--allow-pickle"], "is not a checkpoint torch.load can read"),
+])
+def test_import_of_a_bad_pattern_or_a_file_that_is_no_checkpoint_is_one_line(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        argv: list[str], words: str) -> None:
+    from helpers.states import snapshot
+
+    path, _ = made
+    bad = tmp_path / "ck_step=7.pt"
+    bad.write_text("notatorch")  # a text file: with --allow-pickle, torch.load's own error
+    if argv[0] == "--step-from":
+        torch.save({"w": torch.ones(2)}, bad)
+    before = snapshot(path, with_catalog=True)
+    rc, out, err = run(capsys, "--store", str(path), "import", *argv, str(bad))
+    assert rc == 1 and words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert snapshot(path, with_catalog=True) == before

@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 from .. import plot as plots
+from ..errors import InvalidArgumentError
 from ..store import Store
+
+IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
 
 def register(sub: Any) -> None:
@@ -48,6 +51,15 @@ def register(sub: Any) -> None:
 
 def _plot(store: Store, args: argparse.Namespace) -> int:
     name = args.plot_kind
+    out = args.out or Path(f"{name}.png")
+    # Checked before the figure is drawn: matplotlib would raise its own errors only at the write.
+    if out.suffix.lower() not in IMAGE_SUFFIXES:
+        raise InvalidArgumentError(f"--out {str(out)!r}: give an image file ending in {', '.join(IMAGE_SUFFIXES)}")
+    if args.dpi <= 0:
+        raise InvalidArgumentError(f"--dpi {args.dpi}: give a positive number of dots per inch, e.g. --dpi 100")
+    if not out.resolve().parent.is_dir():
+        raise InvalidArgumentError(f"--out {str(out)!r}: the directory {str(out.resolve().parent)!r} does not "
+                                   "exist; create it first or write elsewhere")
     if name == "norms":
         fig = plots.norms(store, args.ref, args.keys, stat=args.stat)
     elif name == "update-ratios":
@@ -58,7 +70,6 @@ def _plot(store: Store, args: argparse.Namespace) -> int:
         fig = plots.diff(store, args.a, args.b, args.keys)
     else:
         fig = plots.lineage(store, args.refs or None, population=args.population, metric=args.metric)
-    out = args.out or Path(f"{name}.png")
     fig.savefig(out, dpi=args.dpi)
     print(f"wrote {out}")
     return 0

@@ -37,9 +37,11 @@ def _list(names: dict[str, str], pattern: str | None) -> int:
 
 
 def _tag(store: Store, args: argparse.Namespace) -> int:
-    if args.delete:
-        store.delete_tag(args.delete)
-    elif args.list or not args.name:
+    # `is not None`, not truth: an empty name given is refused by name, not read as "list them".
+    if args.delete is not None:
+        vid = store.delete_tag(args.delete)
+        print(f"deleted tag {args.delete} (was {vid[:12]})")
+    elif args.list or args.name is None:
         return _list(store.tags(), args.name)
     else:
         vid = store.tag(args.name, args.ref, args.message or "")
@@ -48,9 +50,11 @@ def _tag(store: Store, args: argparse.Namespace) -> int:
 
 
 def _branch(store: Store, args: argparse.Namespace) -> int:
-    if args.delete or args.force_delete:
-        store.delete_branch(args.delete or args.force_delete, force=args.force or bool(args.force_delete))
-    elif args.list or not args.name:
+    if args.delete is not None or args.force_delete is not None:
+        name = args.delete if args.delete is not None else args.force_delete
+        vid = store.delete_branch(name, force=args.force or args.force_delete is not None)
+        print(f"deleted branch {name} (was {vid[:12]})")
+    elif args.list or args.name is None:
         return _list(store.branches(), args.name)
     else:
         vid = store.branch(args.name, at=args.ref, force=args.force)

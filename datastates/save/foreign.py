@@ -45,7 +45,12 @@ def _torch_load(path: Path, allow_pickle: bool) -> tuple[Any, bool]:
             raise UnsupportedValueError(
                 f"{path} needs full pickle to load ({type(exc).__name__}: {str(exc)[:200]}); import it only if you "
                 "trust it, with --allow-pickle (allow_pickle=True)") from None
-    return torch.load(path, map_location="cpu", weights_only=False), True
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False), True
+    except Exception as exc:  # not a pickle at all (a text file, a truncated download): torch's own error names it
+        raise InvalidArgumentError(
+            f"{path} is not a checkpoint torch.load can read ({type(exc).__name__}: {str(exc)[:200]}); give a "
+            "torch.save file, a safetensors file, a DCP directory or a Trainer checkpoint directory") from None
 
 
 def _safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -131,11 +136,19 @@ def step_of(f: Foreign, pattern: str | None) -> int | None:
     """The training step of a checkpoint: the first group of `pattern` matched in its path, else what its
     files say (a Trainer's global_step, a 'global_step' or 'step' entry), else the last number in its name."""
     if pattern:
-        m = re.search(pattern, str(f.path))
+        try:
+            m = re.search(pattern, str(f.path))
+        except re.error as exc:
+            raise InvalidArgumentError(f"--step-from {pattern!r} is not a regex ({exc}); give one with one group, "
+                                       r"e.g. 'step=(\d+)'") from None
         if m is None:
             raise InvalidArgumentError(f"--step-from {pattern!r} does not match {f.path}; give a regex with one "
                                        r"group, e.g. 'step=(\d+)'")
-        return int(m.group(1) if m.groups() else m.group(0))
+        found = m.group(1) if m.groups() else m.group(0)
+        if found is None or not found.isdigit():
+            raise InvalidArgumentError(f"--step-from {pattern!r} found {found!r} in {f.path}, not a step number; "
+                                       r"its group must match digits only, e.g. 'step=(\d+)'")
+        return int(found)
     if f.step is not None:
         return int(f.step)
     if isinstance(f.state, dict):
