@@ -488,7 +488,7 @@ def lineage_data(store: Store, refs: Any = None, *, population: Population | str
         seeds = [vid for vid, br in zip(all_ids, branch_col) if br is not None and br.startswith(f"{name}/")]
         if not seeds:
             raise NotFoundError(f"no version was saved on a branch of population {name!r}; "
-                                "`datastates log` lists the branches")
+                                "`datastates branch` lists the branches (a population's are NAME/member-NN)")
         chosen = set(seeds)
         for vid in seeds:
             chosen.update(store.ancestors(vid))

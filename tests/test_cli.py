@@ -340,3 +340,13 @@ def test_import_of_a_bad_pattern_or_a_file_that_is_no_checkpoint_is_one_line(
     rc, out, err = run(capsys, "--store", str(path), "import", *argv, str(bad))
     assert rc == 1 and words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert snapshot(path, with_catalog=True) == before
+
+
+@pytest.mark.parametrize("value", ["-3", "0"])
+def test_keep_every_names_its_own_bound(made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str],
+                                         value: str) -> None:
+    """-3 was refused as 'must be 0 or more', then 0 as 'must be 1 or more'."""
+    path, _ = made
+    with pytest.raises(SystemExit) as info:
+        main(["--store", str(path), "prune", "--keep-every", value])
+    assert info.value.code == 2 and f"{value} must be 1 or more" in capsys.readouterr().err

@@ -91,14 +91,18 @@ def _fsck(store: Store, args: argparse.Namespace) -> int:
 """The subcommands `add_parsers` adds; `run` handles both."""
 
 
-def _count(text: str) -> int:
+def _count(text: str, least: int = 0) -> int:
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} must be 0 or more")
+    if n < least:
+        raise argparse.ArgumentTypeError(f"{n} must be {least} or more")
     return n
+
+
+def _steps(text: str) -> int:
+    return _count(text, least=1)  # a step multiple of 0 keeps nothing: say so where the number is read
 
 
 def _best(text: str) -> tuple[int, str, str]:
@@ -148,7 +152,7 @@ def _add_gc_prune(sub: Any) -> None:
     s.add_argument("--keep-latest", type=_count, metavar="N", help="keep the N newest versions of each branch")
     s.add_argument("--keep-best", type=_best, action="append", default=[], metavar="N[:METRIC[:min|max]]",
                    help="keep the N best by a metric (default metrics.val_loss, min); repeatable")
-    s.add_argument("--keep-every", type=_count, metavar="N", help="keep versions whose step is a multiple of N")
+    s.add_argument("--keep-every", type=_steps, metavar="N", help="keep versions whose step is a multiple of N")
     s.add_argument("--dry-run", action="store_true", help="list what would be pruned; change nothing")
     s.add_argument("--json", action="store_true")
     s.set_defaults(handler=_run_prune)
@@ -164,8 +168,6 @@ def retention_from_args(args: argparse.Namespace) -> Retention | None:
     for n, metric, mode in args.keep_best:
         policies.append(KeepBest(n, metric, mode))
     if args.keep_every is not None:
-        if args.keep_every < 1:
-            raise argparse.ArgumentTypeError("--keep-every must be 1 or more")
         policies.append(KeepEvery(args.keep_every))
     return Retention(*policies) if policies else None
 
