@@ -811,13 +811,15 @@ def test_state_dicts_are_copied_by_address_with_no_byte_view_per_save_and_load_b
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     views = _count_views(monkeypatch)
     held: list[bool] = []  # per slot the writer takes: whether the job still holds the tensors read by address
-    real_write = pipeline_mod.Pipeline._write
+    real_emit = pipeline_mod.Pipeline._emit
 
-    def write(self: Any, job: Any, slot: Any, fut: Any) -> int:
+    # `_emit` writes every slot: after `_write`, or for the last slots, handed together to one worker once all are
+    # hashed (`_emit_all`); which of the two a slot takes depends on how fast the hashing went.
+    def emit(self: Any, job: Any, slot: Any, todo: Any) -> None:
         held.append(job.holds is not None)
-        return real_write(self, job, slot, fut)
+        real_emit(self, job, slot, todo)
 
-    monkeypatch.setattr(pipeline_mod.Pipeline, "_write", write)
+    monkeypatch.setattr(pipeline_mod.Pipeline, "_emit", emit)
     with ds.Store.open(tmp_path / "s", chunk_size=64 << 10) as store:
         versions, expected, made, kept = [], [], [], []
         for step in range(6):
