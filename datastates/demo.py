@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConflictError
+from .errors import ConflictError, InvalidArgumentError
 from .store import Store
 
+MIN_SAVES = 6  # the demo's diff reads main~5
 DEMO_MARK = "demo"  # an hparam every demo version carries: a store holding only such versions is a demo store
 
 
@@ -52,7 +53,13 @@ def _script() -> str:
 def run(path: str | os.PathLike[str] = "runs/demo-store", steps: int = 300, every: int = 20) -> int:
     """Train a tiny regression MLP for `steps` steps, saving every `every` steps into the store at `path`
     (only there: a new or empty directory, or a store the demo made); print what the store holds.
-    Raises ConflictError (nothing written) for any other directory."""
+    Raises InvalidArgumentError when fewer than 6 saves would be made (the demo compares main~5 with main),
+    ConflictError for any other directory; nothing is written then."""
+    if every < 1 or steps // every < MIN_SAVES:
+        raise InvalidArgumentError(
+            f"--steps {steps} --every {every} makes {steps // every if every >= 1 else 0} saves; the demo "
+            f"compares main~5 with main, so give at least {MIN_SAVES}: "
+            f"--steps {MIN_SAVES * max(every, 1)} --every {max(every, 1)} or more")
     check_demo_dir(path)
     torch.manual_seed(0)
     t0 = time.perf_counter()

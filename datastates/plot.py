@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import InvalidArgumentError, MissingDependencyError, NotFoundError
+from .meta.versions import shown
 from .query.compare import diff as _diff
 from .query.compare import history_versions
 from .store import Store
@@ -470,12 +471,26 @@ class LineageData:
     """Per node: the version was pruned (its record kept for lineage, its bytes gone)."""
 
 
+def _drawn_metric(metric: str, versions: Iterable[Version]) -> str:
+    """The metrics name `metric` means among `versions`. Raises NotFoundError when none of them has it: a
+    typo would otherwise draw every node grey, as versions without a metric."""
+    found = {k for v in versions for k in v.metrics}
+    if metric not in found and metric.startswith("metrics.") and metric[len("metrics."):] in found:
+        return metric[len("metrics."):]
+    if metric not in found:
+        names = ", ".join(sorted(found)[:20]) or "none"
+        raise NotFoundError(f"no version drawn has the metric {shown(metric)}; the metrics they have: {names} "
+                            "(`datastates log` shows each version's metrics)")
+    return metric
+
+
 def lineage_data(store: Store, refs: Any = None, *, population: Population | str | None = None,
                  metric: str | None = None) -> LineageData:
     """Which versions to draw: the ancestors of `refs` (a ref or a list), or every version saved on a
     member branch of `population` (a Population or its name) and their ancestors, or (both None) every
     version in the store. `metric`: a metrics name (default: the population's metric, else the first
-    metric any version has). Raises NotFoundError (ref), InvalidArgumentError (both refs and population)."""
+    metric any version has; `metrics.NAME` is read as NAME). Raises NotFoundError (a ref; a metric no drawn
+    version has), InvalidArgumentError (both refs and population)."""
     store = _as_store(store)
     if refs is not None and population is not None:
         raise InvalidArgumentError("give lineage either refs or population, not both")
@@ -524,6 +539,8 @@ def lineage_data(store: Store, refs: Any = None, *, population: Population | str
             edges.append((index[v.fork_of], i, "fork"))
     if metric is None:
         metric = next((k for v in records.values() for k in sorted(v.metrics)), None)
+    else:
+        metric = _drawn_metric(metric, records.values())
     values = np.array([_number(records[vid].metrics.get(metric)) if metric else math.nan for vid in ids])
     labels: dict[int, list[str]] = {}
     for name, vid in sorted(store.branches().items()):

@@ -350,3 +350,56 @@ def test_keep_every_names_its_own_bound(made: tuple[Path, list[ds.Version]], cap
     with pytest.raises(SystemExit) as info:
         main(["--store", str(path), "prune", "--keep-every", value])
     assert info.value.code == 2 and f"{value} must be 1 or more" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["flush", "--timeout", "-1"], "argument --timeout: -1.0 must be 0 or more seconds"),
+    (["flush", "--timeout", "nan"], "argument --timeout: nan must be 0 or more seconds"),
+    (["prune", "--keep-best", "2::min"], "the metric is empty; give N:METRIC[:min|max]"),
+    (["plot", "histograms", "model.weight", "--bins", "0"], "argument --bins: 0 must be 1 or more"),
+    (["plot", "histograms", "model.weight", "--max-versions", "-2"], "argument --max-versions: -2 must be 1 or more"),
+    (["log", "-n", "0"], "argument -n: 0 must be 1 or more"),
+    (["demo", "--every", "0"], "argument --every: 0 must be 1 or more"),
+    (["demo", "--steps", "x"], "argument --steps: 'x' is not a whole number"),
+])
+def test_a_number_out_of_its_range_is_refused_where_it_is_read(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, argv: list[str], words: str) -> None:
+    """`flush --timeout -1` was taken, `prune --keep-best 2::min` ranked by metrics.val_loss, and `demo --every 0`
+    ended in ZeroDivisionError after the store was made."""
+    from helpers.states import snapshot
+
+    path, _ = made
+    monkeypatch.chdir(tmp_path)
+    before = snapshot(path, with_catalog=True)
+    with pytest.raises(SystemExit) as info:
+        main(["--store", str(path), *argv])
+    assert info.value.code == 2 and words in capsys.readouterr().err
+    assert snapshot(path, with_catalog=True) == before and not (tmp_path / "runs").exists()
+
+
+def test_a_demo_too_short_to_diff_is_refused_before_its_store_is_made(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`demo --steps 100` saved 5 versions, then failed on `main~5` with a traceback."""
+    rc, out, err = run(capsys, "demo", "--dir", str(tmp_path / "d"), "--steps", "100")
+    assert (rc, out) == (1, "") and not (tmp_path / "d").exists()
+    assert "makes 5 saves; the demo compares main~5 with main, so give at least 6: --steps 120 --every 20" in err
+
+
+@pytest.mark.parametrize("argv", [["show", "nope"], ["tag", "-d", "nope"], ["diff", "main~1", "main", "--keys", "nope"]])
+def test_a_hint_in_an_error_runs_as_given_with_the_same_store(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:
+    """With --store and no $DATASTATES_STORE, a hint `datastates log` said 'no store given'."""
+    import re
+    import shlex
+
+    path, _ = made
+    monkeypatch.delenv("DATASTATES_STORE", raising=False)
+    rc, _, err = run(capsys, "--store", str(path), *argv)
+    hints = re.findall(r"`(datastates [^`]*)`", err)
+    assert rc == 1 and hints and all(h.startswith(f"datastates --store {shlex.quote(str(path))} ") for h in hints)
+    for hint in hints:
+        assert run(capsys, *shlex.split(hint)[1:])[0] == 0, hint
+    monkeypatch.setenv("DATASTATES_STORE", str(path))  # the store the environment names: hints stay short
+    assert "`datastates log`" in run(capsys, "show", "nope")[2]

@@ -205,6 +205,14 @@ def test_lineage_of_refs_is_their_ancestors(trained: ds.Store) -> None:
         plot.lineage(trained, "ft", population="pop")
 
 
+def test_lineage_names_a_metric_no_drawn_version_has(trained: ds.Store) -> None:
+    """A typo in the metric drew every node grey, as versions without one, and exited 0."""
+    with pytest.raises(ds.NotFoundError, match="no version drawn has the metric 'los'; the metrics they have: loss"):
+        plot.lineage(trained, metric="los")
+    data = plot.lineage_data(trained, metric="metrics.loss")  # as the colorbar names it
+    assert data.metric_name == "loss" and data.metric[data.ids.index(trained.resolve("ft"))] == 0.5
+
+
 def test_lineage_of_a_population_shows_exploits_as_fork_edges(tmp_path: Path) -> None:
     with ds.Store.open(tmp_path / "s") as store:
         pop = Population(store, "pop", size=4, metric="score", hparams=[{"lr": 0.1 * (i + 1)} for i in range(4)])

@@ -17,6 +17,7 @@ from typing import Any
 from ..errors import DataStatesError
 from ..store import Store
 from . import inspect, maintenance, plot, programs, refs, serve, tiers, transfer
+from .output import with_store
 
 GROUPS = (maintenance, inspect, refs, tiers, transfer, programs, plot, serve)
 
@@ -55,7 +56,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (DataStatesError, OSError) as exc:
         if args.debug:
             raise
-        print(f"datastates: {type(exc).__name__}: {exc}", file=sys.stderr)
+        # The hints in messages say `datastates fsck`: with --store given, that alone would find no store.
+        print(f"datastates: {type(exc).__name__}: {with_store(str(exc), getattr(args, 'store', None))}",
+              file=sys.stderr)
         return 1
 
 

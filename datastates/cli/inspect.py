@@ -7,13 +7,14 @@ from typing import Any
 
 from ..base.config import human_bytes
 from ..store import Store
+from .arguments import positive
 from .output import fmt, print_json, when
 
 
 def register(sub: Any) -> None:
     s = sub.add_parser("log", help="versions reachable from a ref, newest first")
     s.add_argument("ref", nargs="?", default="main", help="where to start: branch, tag, id or REF~N (default main)")
-    s.add_argument("-n", type=_positive, default=None, help="at most N versions (N >= 1)")
+    s.add_argument("-n", type=positive, default=None, help="at most N versions (N >= 1)")
     s.add_argument("--first-parent", action="store_true", help="follow only the first parent of merges")
     s.add_argument("--format", choices=("table", "json"), default="table", help="output format (default table)")
     s.add_argument("--json", action="store_const", const="json", dest="format", help="same as --format json")
@@ -45,16 +46,6 @@ def register(sub: Any) -> None:
     s.add_argument("ref", nargs="?", default="main", help="where the chain ends (default main)")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.set_defaults(handler=_history)
-
-
-def _positive(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a count of 1 or more")
-    return n
 
 
 def _log(store: Store, args: argparse.Namespace) -> int:

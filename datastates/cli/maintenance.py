@@ -13,7 +13,8 @@ from ..maintenance.gc import COLD_GRACE_S
 from ..maintenance.retention import Retention
 from ..repo.opening import quarantine_catalog
 from ..store import Store
-from .output import print_json
+from .arguments import fraction, positive, seconds, whole
+from .output import print_json, with_store
 
 
 def register(sub: Any) -> None:
@@ -77,12 +78,9 @@ def _fsck(store: Store, args: argparse.Namespace) -> int:
     if args.json:
         print_json(rep.to_dict())
     else:
-        for line in rep.repaired:
-            print(f"repaired: {line}")
-        for line in rep.problems:
-            print(f"problem:  {line}")
-        for line in rep.notes:
-            print(f"note:     {line}")
+        for label, lines in (("repaired:", rep.repaired), ("problem: ", rep.problems), ("note:    ", rep.notes)):
+            for line in lines:
+                print(f"{label} {with_store(line, args.store)}")
         counts = ", ".join(f"{n} {k}" for k, n in rep.checked.items())
         print(f"{'ok' if rep.ok else 'NOT OK'}: checked {counts}")
     return 0 if rep.ok else 1
@@ -91,68 +89,36 @@ def _fsck(store: Store, args: argparse.Namespace) -> int:
 """The subcommands `add_parsers` adds; `run` handles both."""
 
 
-def _count(text: str, least: int = 0) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < least:
-        raise argparse.ArgumentTypeError(f"{n} must be {least} or more")
-    return n
-
-
-def _steps(text: str) -> int:
-    return _count(text, least=1)  # a step multiple of 0 keeps nothing: say so where the number is read
-
-
 def _best(text: str) -> tuple[int, str, str]:
     parts = text.split(":")
     if len(parts) > 3 or not parts[0]:
         raise argparse.ArgumentTypeError(f"{text!r}: give N, N:METRIC or N:METRIC:min|max")
-    n = _count(parts[0])
-    metric = parts[1] if len(parts) > 1 and parts[1] else "metrics.val_loss"
+    n = whole(parts[0])
+    if len(parts) > 1 and not parts[1]:  # '2::max' read as the default metric would rank by the wrong one
+        raise argparse.ArgumentTypeError(f"{text!r}: the metric is empty; give N:METRIC[:min|max], "
+                                         "e.g. 2:metrics.val_loss:min")
+    metric = parts[1] if len(parts) > 1 else "metrics.val_loss"
     mode = parts[2] if len(parts) > 2 else "min"
     if mode not in ("min", "max"):
         raise argparse.ArgumentTypeError(f"{text!r}: the mode must be min or max, not {mode!r}")
     return n, metric, mode
 
 
-def _number(text: str) -> float:
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-
-
-def _threshold(text: str) -> float:
-    f = _number(text)
-    if not 0.0 <= f <= 1.0:
-        raise argparse.ArgumentTypeError(f"{f} must be between 0 and 1")
-    return f
-
-
-def _seconds(text: str) -> float:
-    f = _number(text)
-    if not f >= 0.0:
-        raise argparse.ArgumentTypeError(f"{f} must be 0 or more seconds")
-    return f
-
-
 def _add_gc_prune(sub: Any) -> None:
     s = sub.add_parser("gc", help="free the bytes of pruned versions: delete dead packs, repack sparse ones")
     s.add_argument("--dry-run", action="store_true", help="say what would be freed; change nothing")
-    s.add_argument("--repack-threshold", type=_threshold, default=0.5, metavar="F",
+    s.add_argument("--repack-threshold", type=fraction, default=0.5, metavar="F",
                    help="repack a pack whose live bytes are under this share of its bytes (default 0.5)")
-    s.add_argument("--cold-grace", type=_seconds, default=COLD_GRACE_S, metavar="SECONDS",
+    s.add_argument("--cold-grace", type=seconds, default=COLD_GRACE_S, metavar="SECONDS",
                    help=f"leave cold packs younger than this alone (default {COLD_GRACE_S:.0f})")
     s.add_argument("--json", action="store_true")
     s.set_defaults(handler=_run_gc)
     s = sub.add_parser("prune", help="mark versions pruned unless a --keep rule (or a tag, or a branch head) keeps "
                                      "them; `gc` then frees their bytes")
-    s.add_argument("--keep-latest", type=_count, metavar="N", help="keep the N newest versions of each branch")
+    s.add_argument("--keep-latest", type=whole, metavar="N", help="keep the N newest versions of each branch")
     s.add_argument("--keep-best", type=_best, action="append", default=[], metavar="N[:METRIC[:min|max]]",
                    help="keep the N best by a metric (default metrics.val_loss, min); repeatable")
-    s.add_argument("--keep-every", type=_steps, metavar="N", help="keep versions whose step is a multiple of N")
+    s.add_argument("--keep-every", type=positive, metavar="N", help="keep versions whose step is a multiple of N")
     s.add_argument("--dry-run", action="store_true", help="list what would be pruned; change nothing")
     s.add_argument("--json", action="store_true")
     s.set_defaults(handler=_run_prune)

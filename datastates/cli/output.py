@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
+import re
+import shlex
 from typing import Any
+
+_HINT = re.compile(r"`datastates ([^`]*)`")
 
 
 def when(t: float) -> str:
@@ -23,3 +28,19 @@ def fmt(x: Any, width: int = 10) -> str:
     if isinstance(x, float):
         return f"{x:>{width}.4g}"
     return f"{x!s:>{width}}"
+
+
+def with_store(text: str, store: str | None) -> str:
+    """`text` with `--store STORE` put into each backquoted `datastates ...` hint, so that the hint runs as
+    given in the user's shell. Unchanged when `store` is what $DATASTATES_STORE already names (or None), and
+    for hints that name a store of their own."""
+    if not store or store == os.environ.get("DATASTATES_STORE"):
+        return text
+
+    def put(m: re.Match[str]) -> str:
+        rest = m.group(1)
+        if "--store" in rest.split() or rest.split()[:1] in (["demo"], ["bench"]):
+            return m.group(0)
+        return f"`datastates --store {shlex.quote(store)} {rest}`"
+
+    return _HINT.sub(put, text)

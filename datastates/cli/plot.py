@@ -10,6 +10,7 @@ from typing import Any
 from .. import plot as plots
 from ..errors import InvalidArgumentError
 from ..store import Store
+from .arguments import positive
 
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -37,8 +38,8 @@ def register(sub: Any) -> None:
     k = kind("histograms", "the distribution of one tensor over the versions of REF")
     k.add_argument("key")
     k.add_argument("ref", nargs="?", default="main")
-    k.add_argument("--bins", type=int, default=64)
-    k.add_argument("--max-versions", type=int, default=200)
+    k.add_argument("--bins", type=positive, default=64)
+    k.add_argument("--max-versions", type=positive, default=200)
     k = kind("diff", "per-tensor relative change and cosine between two versions")
     k.add_argument("a")
     k.add_argument("b")

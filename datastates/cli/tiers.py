@@ -7,6 +7,7 @@ from typing import Any
 
 from ..base.config import human_bytes
 from ..store import Store
+from .arguments import seconds
 from .output import print_json
 
 
@@ -15,7 +16,7 @@ def register(sub: Any) -> None:
     s.add_argument("--json", action="store_true")
     s.set_defaults(handler=_tiers)
     s = sub.add_parser("flush", help="copy pending versions to the cold tier and wait")
-    s.add_argument("--timeout", type=float, default=None, help="give up after this many seconds of failures")
+    s.add_argument("--timeout", type=seconds, default=None, help="give up after this many seconds of failures")
     s.set_defaults(handler=_flush)
 
 
