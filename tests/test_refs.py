@@ -79,11 +79,22 @@ def test_branch_never_takes_a_tags_name(chain: tuple[ds.Store, list[str]]) -> No
     assert s.resolve("same") == ids[0] and "same" not in s.branches()
 
 
-def test_hex_looking_branch_name(chain: tuple[ds.Store, list[str]]) -> None:
+def test_hex_looking_branch_name(chain: tuple[ds.Store, list[str]], unchanged: Any) -> None:
+    """A ref named like the start of a version's id hid that version wherever the prefix was given (refs
+    resolve first, as in git): it is refused, in either case; a hex name no id starts with is a name."""
     s, ids = chain
-    name = ids[0][:8]  # a name that is also a prefix of another version
-    s.branch(name, at=ids[3])
-    assert s.resolve(name) == ids[3]
+    makers = (lambda n: s.branch(n, at=ids[3]), lambda n: s.tag(n, ids[3]),
+              lambda n: s.save({"x": torch.zeros(1)}, branch=n), lambda n: s.fork(ids[3], branch=n))
+    for name in (ids[0][:8], ids[0][:12].upper()):
+        with unchanged(s):
+            for make in makers:
+                with pytest.raises(ds.ConflictError, match=f"is the start of version {ids[0][:12]}'s id"):
+                    make(name)
+        assert s.resolve(name) == ids[0]
+    free = next(f"{n:06x}" for n in range(2**24) if not any(i.startswith(f"{n:06x}") for i in ids))
+    assert s.branch(free, at=ids[3]) == s.resolve(free) == ids[3]
+    s.repo.refs.add_if_new("tag", ids[1][:8], ids[3], "made before names were checked")
+    assert s.resolve(ids[1][:8]) == ids[3]  # such a ref, already there, still resolves first
 
 
 # --------------------------------------------------------------------------- tags
@@ -264,3 +275,14 @@ def test_catalog_prefix_lookup(chain: tuple[ds.Store, list[str]]) -> None:
     with pytest.raises(ds.NotFoundError):
         s.resolve(absent)
     assert sorted(v for v, _ in s.catalog.records()) == sorted(ids)
+
+
+def test_a_long_ref_is_shown_cut_in_its_error(chain: tuple[ds.Store, list[str]], unchanged: Any) -> None:
+    """A 5,000-character ref was echoed whole, in resolve's error and in a refused ref name."""
+    s, _ = chain
+    long = "x" * 5000
+    with unchanged(s):
+        for call in (lambda: s.load(long), lambda: s.tag(long, "main"), lambda: s.branch(long + "\x00", at="main")):
+            with pytest.raises((ds.NotFoundError, ds.InvalidNameError)) as info:
+                call()
+            assert "'xxxxxxxxxx" in str(info.value) and len(str(info.value)) < 300

@@ -46,6 +46,7 @@ from ..save.manifest import Manifest
 
 log = logging.getLogger("datastates")
 _REF_SUFFIX = re.compile(r"^(.*?)((?:~\d*|\^)+)$")
+_ID_PREFIX = re.compile(r"[0-9a-fA-F]{6,64}")  # what resolve reads as an id prefix (any case)
 
 
 class Repository:
@@ -146,7 +147,7 @@ class Repository:
             found_ref = self.refs.get(kind, ref)  # type: ignore[arg-type]
             if found_ref is not None:
                 return found_ref
-        if re.fullmatch(r"[0-9a-fA-F]{6,64}", ref):
+        if _ID_PREFIX.fullmatch(ref):
             # Ids are lower-case hex; one copied from an upper-casing tool still names its version.
             found = self.catalog.ids_with_prefix(ref.lower(), limit=5)
             if len(found) == 1:
@@ -199,13 +200,21 @@ class Repository:
         return vid
 
     def check_unlike_other_kind(self, kind: str, name: str) -> None:
-        """ConflictError if a new `kind` ref `name` would share its name with a ref of the other kind
-        (a bare name would then silently mean one of them). Existing refs of the same kind pass."""
+        """ConflictError if a new `kind` ref `name` would share its name with a ref of the other kind, or be
+        the prefix of a version's id (a bare name would then silently mean one of them). Existing refs of the
+        same kind pass."""
         other = "tag" if kind == "branch" else "branch"
-        if self.refs.get(kind, name) is None and self.refs.get(other, name) is not None:  # type: ignore[arg-type]
+        if self.refs.get(kind, name) is not None:  # type: ignore[arg-type]
+            return
+        if self.refs.get(other, name) is not None:  # type: ignore[arg-type]
             raise ConflictError(
                 f"a {other} named {name!r} exists; pick another name for the {kind} "
                 f"(refer to the existing one unambiguously as {other}:{name})")
+        # Refs resolve before id prefixes (as in git): such a ref would hide the version its name abbreviates.
+        if _ID_PREFIX.fullmatch(name) and (found := self.catalog.ids_with_prefix(name.lower(), limit=1)):
+            raise ConflictError(
+                f"{kind} name {name!r} is the start of version {found[0][:12]}'s id, which the {kind} would then "
+                f"hide wherever {name!r} is given; pick another name, e.g. 'v-{name}'")
 
     def unreachable_if_deleted(self, kind: str, name: str) -> int:
         """How many versions no ref would reach (by name, as ancestor-or-self of a branch or tag head)
