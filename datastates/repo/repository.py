@@ -37,6 +37,7 @@ from ..meta.versions import (
     merge_metrics,
     plain_json,
     readable,
+    shown,
     with_annotations,
 )
 from ..objects.object_store import ObjectStore
@@ -121,7 +122,7 @@ class Repository:
             return ref.result().id
         if not isinstance(ref, str) or not ref:
             what = "is empty" if ref == "" else "is not a string"
-            raise NotFoundError(f"ref {ref!r} {what}; give a version id, branch or tag")
+            raise NotFoundError(f"ref {shown(ref)} {what}; give a version id, branch or tag")
         m = _REF_SUFFIX.match(ref)
         if m and m.group(1):
             base, suffix = m.group(1), m.group(2)
@@ -159,10 +160,10 @@ class Repository:
         elif re.fullmatch(r"[0-9a-f]{1,5}", ref):
             raise NotFoundError(f"ref {ref!r} is too short to be an id prefix (6 hex digits at least)")
         if self.catalog.version_count() == 0:  # pointing at `datastates log` would only repeat the failure
-            raise NotFoundError(f"ref {ref!r} names nothing: the store has no versions yet; save one first "
+            raise NotFoundError(f"ref {shown(ref)} names nothing: the store has no versions yet; save one first "
                                 "(Store.save in Python)")
         raise NotFoundError(
-            f"ref {ref!r} is not a branch, tag or version id; `datastates log` lists versions, "
+            f"ref {shown(ref)} is not a branch, tag or version id; `datastates log` lists versions, "
             "`datastates branch` the branches, `datastates tag` the tags"
         )
 
