@@ -55,12 +55,12 @@ def run(path: str | os.PathLike[str] = "runs/demo-store", steps: int = 300, ever
     (only there: a new or empty directory, or a store the demo made); print what the store holds.
     Raises InvalidArgumentError when fewer than 6 saves would be made (the demo compares main~5 with main),
     ConflictError for any other directory; nothing is written then."""
+    check_demo_dir(path)
     if every < 1 or steps // every < MIN_SAVES:
         raise InvalidArgumentError(
             f"--steps {steps} --every {every} makes {steps // every if every >= 1 else 0} saves; the demo "
             f"compares main~5 with main, so give at least {MIN_SAVES}: "
             f"--steps {MIN_SAVES * max(every, 1)} --every {max(every, 1)} or more")
-    check_demo_dir(path)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     model = torch.nn.Sequential(torch.nn.Linear(32, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
