@@ -152,22 +152,8 @@ class Population:
                                message=f"explore: {', '.join(sorted(changed))}")
 
     def family_tree(self) -> pa.Table:
-        """Edges of the population's lineage: child, parent, kind ('parent' or 'fork'), member, step."""
-        rows: list[dict[str, Any]] = []
-        table = self.store.versions_table()
-        prefix = f"{self.name}/"
-        # Every version saved on a member branch, abandoned lines (before an exploit) included.
-        ids = [vid for vid, br in zip(table.column("id").to_pylist(), table.column("branch").to_pylist())
-               if br is not None and br.startswith(prefix)]
-        for vid in ids:
-            v = self.store.version(vid)
-            for p in v.parents:
-                rows.append({"child": vid, "parent": p, "kind": "fork" if v.fork_of == p else "parent",
-                             "member": v.branch, "step": v.step,
-                             "explore": None if v.explore is None else str(v.explore)})
-        schema = pa.schema([("child", pa.string()), ("parent", pa.string()), ("kind", pa.string()),
-                            ("member", pa.string()), ("step", pa.int64()), ("explore", pa.string())])
-        return pa.Table.from_pylist(rows, schema=schema)
+        """Edges of the population's lineage (`family_tree(store, name)`)."""
+        return family_tree(self.store, self.name)
 
     def replay(self, member: Member) -> list[tuple[int | None, dict[str, Any]]]:
         """The (step, hparams) schedule that produced `member`'s latest state, oldest first:
@@ -192,6 +178,27 @@ class Population:
                 keep.add(vid)
                 keep.update(self.store.ancestors(vid))
         return keep
+
+
+def family_tree(store: Store, name: str) -> pa.Table:
+    """Edges of population `name`'s lineage: child, parent, kind ('parent' or 'fork'), member, step,
+    explore; from every version saved on a member branch `name/...`, abandoned lines (before an exploit)
+    included. Reads only: unlike a Population, it takes no lease (a reader must not take over the
+    trainer's)."""
+    rows: list[dict[str, Any]] = []
+    table = store.versions_table()
+    prefix = f"{name}/"
+    ids = [vid for vid, br in zip(table.column("id").to_pylist(), table.column("branch").to_pylist())
+           if br is not None and br.startswith(prefix)]
+    for vid in ids:
+        v = store.version(vid)
+        for p in v.parents:
+            rows.append({"child": vid, "parent": p, "kind": "fork" if v.fork_of == p else "parent",
+                         "member": v.branch, "step": v.step,
+                         "explore": None if v.explore is None else str(v.explore)})
+    schema = pa.schema([("child", pa.string()), ("parent", pa.string()), ("kind", pa.string()),
+                        ("member", pa.string()), ("step", pa.int64()), ("explore", pa.string())])
+    return pa.Table.from_pylist(rows, schema=schema)
 
 
 _LIVING: dict[int, list[Population]] = {}

@@ -622,7 +622,7 @@ class Store(Queries):
                                executor=self._readers)
 
     # metadata and maintenance ---------------------------------------------------------
-    def annotate(self, ref: Any, *, metrics: dict[str, Any] | None = None,
+    def annotate(self, ref: Any, /, *, metrics: dict[str, Any] | None = None,
                  annotations: dict[str, Any] | None = None, **values: Any) -> Version:
         """Add or change mutable data of a version (never part of the id). `metrics={...}`: metrics known
         after the save, seen as the version's metrics (Version.metrics, find, versions table) over the

@@ -85,7 +85,6 @@ def create_app(store_path: str | os.PathLike[str], token: str | None = None,
     app.state.store = None
     app.state.token = token
     app.state.metrics = metrics
-    app.state.populations = {}
     errors.install(app)
     for r in (versions.router, tensors.router, refs.router, system.router, graph.router):
         app.include_router(r, prefix=API_PREFIX, responses=ERROR_RESPONSES, dependencies=[Depends(known_query)])

@@ -12,6 +12,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 import datastates as ds
+from datastates.meta.versions import shown
 
 from .errors import ApiError
 from .middleware import unescape
@@ -70,8 +71,22 @@ def require_write(request: Request,
 
 def ref_param(value: str, what: str = "ref") -> str:
     """A path parameter decoded (%2F -> '/'); control characters are refused before the store sees them."""
-    out = unescape(value)
-    if not out or _CONTROL.search(out):
-        raise ds.InvalidNameError(f"{what} {out!r} is empty or holds a control character; "
-                                  "give a version id, branch or tag")
-    return out
+    return body_ref(unescape(value), what)
+
+
+def body_ref(value: str, what: str = "ref") -> str:
+    """A ref or name from a JSON body, as sent (JSON needs no percent-encoding: 'a%2Fb' is those five
+    characters); control characters are refused before the store sees them."""
+    if not value or _CONTROL.search(value) or not value.isascii() and not _utf8(value):
+        raise ds.InvalidNameError(f"{what} {shown(value)} is empty or holds a control character or bytes that "
+                                  "are no UTF-8 text; give a version id, branch or tag")
+    return value
+
+
+def _utf8(text: str) -> bool:
+    """Whether `text` is text: a path's %FF decodes to a lone surrogate, which no JSON answer can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -45,6 +45,10 @@ class BodyTooLarge(Exception):
     pass
 
 
+class HeadSent(Exception):
+    """A HEAD request's answer is complete (its headers sent): the GET handler that made them stops."""
+
+
 class Observe:
     """Request id (X-Request-ID), metrics, body bound, and the catch-all typed 500."""
 
@@ -64,6 +68,12 @@ class Observe:
         status = 500
         response_started = False
 
+        # HEAD is answered as GET without the body (RFC 9110 9.3.2): the same status and headers, and the
+        # handler stops at its first body message, so a download reads no more than its first chunk.
+        head = scope.get("method") == "HEAD"
+        if head:
+            scope["method"] = "GET"
+
         async def send_wrapper(message: Message) -> None:
             nonlocal status, response_started
             if message["type"] == "http.response.start":
@@ -72,6 +82,9 @@ class Observe:
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", rid.encode()))
                 message["headers"] = headers
+            elif head and message["type"] == "http.response.body":
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                raise HeadSent()
             await send(message)
 
         seen = 0
@@ -91,7 +104,14 @@ class Observe:
                 await _error(send_wrapper, 413, "PAYLOAD_TOO_LARGE",
                              f"request body is over {self.max_body} bytes; send a smaller JSON object", rid)
                 return
-            await self.app(scope, receive_wrapper, send_wrapper)
+            app_receive: Receive = receive_wrapper
+            if length is None and _header(scope, b"transfer-encoding") is not None:
+                # A chunked body is read whole here, within the bound: raised inside FastAPI's body parsing,
+                # BodyTooLarge became its untyped 400 "There was an error parsing the body".
+                app_receive = await _buffered(receive_wrapper)
+            await self.app(scope, app_receive, send_wrapper)
+        except HeadSent:
+            pass
         except BodyTooLarge:
             if not response_started:
                 await _error(send_wrapper, 413, "PAYLOAD_TOO_LARGE",
@@ -106,6 +126,27 @@ class Observe:
             route = scope.get("route")
             template = getattr(route, "path", None) or "unmatched"
             self.metrics.observe(str(scope.get("method", "")), template, status, time.perf_counter() - started)
+
+
+async def _buffered(receive: Receive) -> Receive:
+    """Read a request's body messages now (raising what `receive` raises: BodyTooLarge); the returned
+    receive gives them as one message, then whatever comes after (a disconnect)."""
+    parts = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            first: Message = message
+            break
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            first = {"type": "http.request", "body": b"".join(parts), "more_body": False}
+            break
+    pending = [first]
+
+    async def replay() -> Message:
+        return pending.pop() if pending else await receive()
+
+    return replay
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -34,10 +34,16 @@ def encode_token(data: dict[str, Any]) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-def decode_token(token: str, kind: str) -> dict[str, Any]:
-    """The fields of a token made by `encode_token` for list `kind`.
+SCALAR = (str, int, float, type(None))
+"""What a sort key in a versions token may be (a column's value; never a list or an object)."""
 
-    Raises InvalidArgumentError for a token that is not ours (mangled, or from another list)."""
+
+def decode_token(token: str, kind: str, **fields: type | tuple[type, ...]) -> dict[str, Any]:
+    """The fields of a token made by `encode_token` for list `kind`, each of `fields` present with its type
+    (a bool is no int here). Tokens carry no secret, so whatever a client sends is checked before use.
+
+    Raises InvalidArgumentError for a token that is not ours (mangled, from another list, a field missing
+    or of another type)."""
     try:
         raw = base64.urlsafe_b64decode(token + "=" * (-len(token) % 4))
         data = json.loads(raw)
@@ -47,7 +53,37 @@ def decode_token(token: str, kind: str) -> dict[str, Any]:
         raise ds.InvalidArgumentError(
             f"page_token {token[:40]!r} is not a token of this list; pass the next_page_token of the previous "
             "page unchanged, or omit it to start at the first page")
+    for name, types in fields.items():
+        value = data.get(name, ...)
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in _tuple(types)):
+            raise ds.InvalidArgumentError(f"page_token {token[:40]!r} is damaged ({name!r} is missing or of the "
+                                          "wrong type); omit it to start at the first page")
     return data
+
+
+def _tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
+    return types if isinstance(types, tuple) else (types,)
+
+
+def pinned(page_token: str | None, kind: str, *query: Any) -> tuple[str, int] | None:
+    """(version id, offset) from the token of a list fixed by a version (ancestors, tensors, a diff, a
+    history), or None without a token: the token pins the id its first page resolved, and is bound to the
+    query (`query`: the ref as given and the other parameters), so a token of one ref's list is refused
+    on another's. Raises InvalidArgumentError."""
+    if not page_token:
+        return None
+    tok = decode_token(page_token, kind, q=str, v=str, o=int)
+    if tok["q"] != digest(*query):
+        raise ds.InvalidArgumentError(f"page_token belongs to another {kind} query; repeat the same "
+                                      "parameters, or omit page_token")
+    return tok["v"], tok["o"]
+
+
+def pinned_token(kind: str, vid: str, offset: int | None, *query: Any, **more: Any) -> str | None:
+    """The next page's token for `pinned` (None at the end of the list)."""
+    if offset is None:
+        return None
+    return encode_token({"k": kind, "q": digest(*query), "v": vid, "o": offset, **more})
 
 
 def digest(*parts: Any) -> str:
@@ -108,11 +144,11 @@ def keyset_page(table: pa.Table, column: str, desc: bool, after: tuple[Any, str]
         if k is None:
             mask = pc.and_(pc.is_null(keys), id_after)
         else:
-            ks = pa.scalar(k)
             try:
+                ks = pa.scalar(k)
                 beyond = pc.less(keys, ks) if desc else pc.greater(keys, ks)
                 equal = pc.equal(keys, ks)
-            except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError):
+            except (pa.ArrowNotImplementedError, pa.ArrowInvalid, pa.ArrowTypeError, OverflowError, TypeError):
                 raise ds.InvalidArgumentError("page_token does not match the order_by column's type; "
                                               "start again without page_token") from None
             mask = pc.or_kleene(pc.or_kleene(beyond, pc.and_kleene(equal, id_after)), pc.is_null(keys))

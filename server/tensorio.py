@@ -6,6 +6,7 @@ time, so a request holds one chunk in memory whatever the tensor's size.
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 from collections.abc import Iterator
@@ -88,6 +89,15 @@ def safetensors_body(tensors: list[TensorBytes], version: str,
                 "application/octet-stream", "safetensors")
 
 
+def started_body(store: ds.Store, body: Body, start: int, end: int) -> Iterator[bytes]:
+    """`iter_body` with its first piece of tensor bytes already read (and verified): a damaged first chunk
+    raises its IntegrityError here, before any header is sent, where it becomes a typed error answer
+    rather than a 200 cut short. Damage further in can only cut the body short of its Content-Length."""
+    it = iter_body(store, body, start, end)
+    ahead = list(itertools.islice(it, 2 if start < len(body.header) else 1))
+    return itertools.chain(ahead, it)
+
+
 def iter_body(store: ds.Store, body: Body, start: int, end: int) -> Iterator[bytes]:
     """Bytes [start, end) of the file, one chunk at a time."""
     pos = 0
@@ -107,14 +117,15 @@ def iter_body(store: ds.Store, body: Body, start: int, end: int) -> Iterator[byt
 def parse_range(header: str | None, length: int) -> tuple[int, int] | None:
     """[start, end) of a single `bytes=` range; None to send the whole file (no header, several
     ranges, or a malformed one: RFC 9110 lets a server ignore those). Raises ValueError when the
-    range is well formed but unsatisfiable (-> 416)."""
+    range is well formed but unsatisfiable (-> 416). Digits are ASCII ones ('¹' is a digit to str.isdigit,
+    not to int)."""
     if not header:
         return None
     unit, _, spec = header.partition("=")
     if unit.strip().lower() != "bytes" or "," in spec:
         return None
     first, dash, last = (x.strip() for x in spec.partition("-"))
-    if not dash or (first and not first.isdigit()) or (last and not last.isdigit()) or not (first or last):
+    if not dash or not (first or last) or not all(x.isascii() and x.isdigit() for x in (first, last) if x):
         return None
     if not first:  # a suffix: the last N bytes
         n = int(last)

@@ -150,12 +150,19 @@ def test_branches_and_tags_equal_the_library(client: httpx.Client, store: ds.Sto
     assert client.get("/tags/best").json()["id"] == store.tags()["best"]
 
 
-def test_population_tree_equals_family_tree(client: httpx.Client, store: ds.Store) -> None:
-    from datastates.pbt import Population
+def test_population_tree_equals_family_tree_and_writes_nothing(client: httpx.Client, store: ds.Store,
+                                                               store_path: Path) -> None:
+    """The GET made a Population, which took the population's lease with the server's pid (a running
+    trainer's lease was replaced, then deleted when the server stopped)."""
+    from helpers.states import snapshot
 
-    expected = Population(store, "sweep", size=2).family_tree().to_pylist()
+    from datastates.pbt import family_tree
+
+    before = snapshot(store_path)
+    expected = family_tree(store, "sweep").to_pylist()
     items = walk(client, "/populations/sweep/tree", limit=3)
     assert items == expected and any(e["kind"] == "fork" for e in items)
+    assert snapshot(store_path) == before
 
 
 def test_missing_metric_and_nan_tensor_travel_as_strict_json(client: httpx.Client, store: ds.Store) -> None:

@@ -128,7 +128,7 @@ def test_annotations_are_added_and_the_id_is_unchanged(srv: ServerProc, store: d
     ("POST", "/branches", {"at": "main"}, 422, "VALIDATION_ERROR"),
     ("POST", "/tags", {"name": "t\u0000", "ref": "main"}, 400, "INVALID_NAME"),
     ("POST", "/versions/main/annotations", {}, 400, "INVALID_ARGUMENT"),
-    ("POST", "/versions/main/annotations", {"ref": 1}, 400, "INVALID_ARGUMENT"),
+    ("POST", "/versions/main/annotations", {"_updated": 1}, 400, "INVALID_ARGUMENT"),  # reserved
     ("POST", "/versions/nowhere/annotations", {"a": 1}, 404, "NOT_FOUND"),
     ("POST", "/versions/main/annotations", {"x": "y" * 70_000}, 413, "PAYLOAD_TOO_LARGE"),
 ])

@@ -327,13 +327,14 @@ class Repository:
         return out
 
     # annotations --------------------------------------------------------------------------
-    def annotate(self, ref: Any, *, metrics: Any = None, annotations: Any = None, **values: Any) -> Version:
+    def annotate(self, ref: Any, /, *, metrics: Any = None, annotations: Any = None, **values: Any) -> Version:
         """Add or change mutable annotations (never part of the id).
 
         `metrics={...}` (numbers or None, as for save) are metrics computed after the save: they read
         as the version's metrics (`Version.metrics`, `find("metrics.x ...")`, the versions table),
-        laid over the record's. `annotations={...}` and `key=value` are free-form annotations.
-        Keys starting with '_' are reserved. Raises StoreClosedError, InvalidArgumentError,
+        laid over the record's. `annotations={...}` and `key=value` are free-form annotations (any
+        name: `ref` is positional only, so `self=1` and `ref=2` are annotations too). Keys starting with
+        '_' are reserved. Raises StoreClosedError, InvalidArgumentError,
         UnsupportedValueError, NotFoundError.
         """
         self.check_open()

@@ -109,12 +109,12 @@ def get_graph(filter: str = Query("", max_length=8192, description="query langua
     q = paging.digest("graph", filter, color)
     start = 0
     if page_token:
-        tok = paging.decode_token(page_token, "graph")
-        if tok.get("q") != q:
+        tok = paging.decode_token(page_token, "graph", q=str, offset=int)
+        if tok["q"] != q:
             raise ds.InvalidArgumentError("page_token belongs to another filter/color; repeat the same "
                                           "query parameters, or omit page_token")
-        start = tok.get("offset", 0)
-        if not isinstance(start, int) or start < 0:
+        start = tok["offset"]
+        if start < 0:
             raise ds.InvalidArgumentError("page_token is damaged; omit it to start at the first page")
     end = min(start + limit, len(rows))
     nxt = paging.encode_token({"k": "graph", "q": q, "offset": end}) if end < len(rows) else None

@@ -10,7 +10,7 @@ import datastates as ds
 from datastates.tensor_bytes import move_branch
 
 from .. import paging
-from ..deps import get_store, ref_param, require_write
+from ..deps import body_ref, get_store, ref_param, require_write
 from ..models import BranchCreate, BranchMove, Page, RefOut, TagCreate
 
 router = APIRouter()
@@ -23,15 +23,21 @@ def _page(refs: dict[str, str], kind: str, limit: int, page_token: str | None) -
     """Names in order; the token holds the last name, so refs created meanwhile never repeat a row."""
     names = sorted(refs)
     if page_token:
-        after = str(paging.decode_token(page_token, kind)["after"])
+        after = paging.decode_token(page_token, kind, after=str)["after"]
         names = [n for n in names if n > after]
     page = names[:limit]
     nxt = paging.encode_token({"k": kind, "after": page[-1]}) if len(names) > limit else None
     return {"items": [{"name": n, "id": refs[n]} for n in page], "next_page_token": nxt}
 
 
-def _one(refs: dict[str, str], kind: str, name: str) -> dict[str, Any]:
+def _one(store: ds.Store, refs: dict[str, str], kind: str, name: str) -> dict[str, Any]:
     if name not in refs:
+        # A ref whose file is damaged is in no listing: say so (IntegrityError), as the other routes do,
+        # rather than that it does not exist.
+        try:
+            store.resolve(f"{kind}:{name}")
+        except ds.NotFoundError:
+            pass
         raise ds.NotFoundError(f"{kind} {name!r} does not exist; GET /api/v1/{kind}es lists them"
                                if kind == "branch" else f"tag {name!r} does not exist; GET /api/v1/tags lists them")
     return {"name": name, "id": refs[name]}
@@ -47,13 +53,13 @@ def list_branches(limit: int = Limit, page_token: str | None = Token,
              dependencies=[Depends(require_write)])
 def create_branch(body: BranchCreate, store: ds.Store = Depends(get_store)) -> dict[str, Any]:
     """409 if it exists (move it with PUT)."""
-    vid = store.branch(ref_param(body.name, "branch"), at=ref_param(body.at))
+    vid = store.branch(body_ref(body.name, "branch"), at=body_ref(body.at))
     return {"name": body.name, "id": vid}
 
 
 @router.get("/branches/{name}", response_model=RefOut, tags=["branches"], summary="One branch")
 def get_branch(name: str, store: ds.Store = Depends(get_store)) -> dict[str, Any]:
-    return _one(store.branches(), "branch", ref_param(name, "branch"))
+    return _one(store, store.branches(), "branch", ref_param(name, "branch"))
 
 
 @router.put("/branches/{name}", response_model=RefOut, tags=["branches"], summary="Move a branch (compare-and-swap)",
@@ -61,7 +67,7 @@ def get_branch(name: str, store: ds.Store = Depends(get_store)) -> dict[str, Any
 def put_branch(name: str, body: BranchMove, store: ds.Store = Depends(get_store)) -> dict[str, Any]:
     """Points the branch at `to` only if it points at `expected` now; 409 (nothing changes) otherwise."""
     n = ref_param(name, "branch")
-    return {"name": n, "id": move_branch(store, n, ref_param(body.to), body.expected)}
+    return {"name": n, "id": move_branch(store, n, body_ref(body.to), body.expected)}
 
 
 @router.delete("/branches/{name}", status_code=204, tags=["branches"], summary="Delete a branch",
@@ -81,13 +87,13 @@ def list_tags(limit: int = Limit, page_token: str | None = Token,
              dependencies=[Depends(require_write)])
 def create_tag(body: TagCreate, store: ds.Store = Depends(get_store)) -> dict[str, Any]:
     """Tags never move: 409 if it exists (delete it first)."""
-    vid = store.tag(ref_param(body.name, "tag"), ref_param(body.ref), body.message)
+    vid = store.tag(body_ref(body.name, "tag"), body_ref(body.ref), body.message)
     return {"name": body.name, "id": vid}
 
 
 @router.get("/tags/{name}", response_model=RefOut, tags=["tags"], summary="One tag")
 def get_tag(name: str, store: ds.Store = Depends(get_store)) -> dict[str, Any]:
-    return _one(store.tags(), "tag", ref_param(name, "tag"))
+    return _one(store, store.tags(), "tag", ref_param(name, "tag"))
 
 
 @router.delete("/tags/{name}", status_code=204, tags=["tags"], summary="Delete a tag",

@@ -8,11 +8,12 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import PlainTextResponse
 
 import datastates as ds
-from datastates.pbt import Population
+from datastates.pbt import family_tree
 
 from .. import paging
 from ..convert import table_rows
 from ..deps import get_store, ref_param
+from ..errors import ApiError
 from ..models import Health, Page, TreeEdge
 
 router = APIRouter()
@@ -20,6 +21,13 @@ router = APIRouter()
 
 @router.get("/healthz", response_model=Health, tags=["system"], summary="Liveness and store reachability")
 def healthz(store: ds.Store = Depends(get_store)) -> dict[str, Any]:
+    """ok with the version count, or 503 when the store's files are gone from under the server (the version
+    count comes from a cached table, which would go on answering)."""
+    root = store.repo.tier.root
+    for needed in (root / "FORMAT", root / "catalog" / "data.mdb"):
+        if not needed.is_file():
+            raise ApiError(503, "UNAVAILABLE", f"the store's {needed.relative_to(root)} is missing from {root}: the "
+                           "store was moved or deleted under the server; restore it, or restart the server on it")
     return {"status": "ok", "versions": len(store.versions_table())}
 
 
@@ -50,12 +58,14 @@ def population_tree(request: Request, name: str, limit: int = Query(paging.DEFAU
     if not members:
         raise ds.NotFoundError(f"population {pop_name!r} has no member branch ({prefix}member-NN); "
                                "GET /api/v1/branches lists the branches")
-    pops: dict[str, Population] = request.app.state.populations
-    pop = pops.get(pop_name)
-    if pop is None or len(pop.members) < len(members):
-        # One object per name and worker: Population registers itself for retention, so no new one per request.
-        pop = pops[pop_name] = Population(store, pop_name, size=max(2, len(members)))
-    rows = table_rows(pop.family_tree())
-    start = int(paging.decode_token(page_token, "tree").get("o", 0)) if page_token else 0
+    # Not through a Population: making one takes the population's lease, which the trainer holds.
+    rows = table_rows(family_tree(store, pop_name))
+    start = 0
+    if page_token:
+        tok = paging.decode_token(page_token, "tree", q=str, o=int)
+        if tok["q"] != paging.digest(pop_name):
+            raise ds.InvalidArgumentError("page_token belongs to another population's tree; omit it to start over")
+        start = tok["o"]
     items, nxt = paging.offset_page(rows, start, limit)
-    return {"items": items, "next_page_token": None if nxt is None else paging.encode_token({"k": "tree", "o": nxt})}
+    token = None if nxt is None else paging.encode_token({"k": "tree", "q": paging.digest(pop_name), "o": nxt})
+    return {"items": items, "next_page_token": token}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any, Literal
+from urllib.parse import quote
 
 from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.responses import StreamingResponse
@@ -15,7 +16,7 @@ from ..convert import table_rows, tensor_dict
 from ..deps import get_store, ref_param
 from ..errors import ApiError
 from ..models import HistoryRow, Page, TensorOut
-from ..tensorio import Body, iter_body, npy_body, parse_range, safetensors_body
+from ..tensorio import Body, npy_body, parse_range, safetensors_body, started_body
 
 router = APIRouter(tags=["tensors"])
 
@@ -32,21 +33,25 @@ _BINARY = {200: {"content": {"application/octet-stream": {"schema": {"type": "st
 @router.get("/versions/{ref}/tensors", response_model=Page[TensorOut], summary="The manifest of a version")
 def list_tensors(ref: str, limit: int = Limit, page_token: str | None = Token,
                  store: ds.Store = Depends(get_store)) -> dict[str, Any]:
-    if page_token:
-        tok = paging.decode_token(page_token, "tensors")
-        vid, start = str(tok["v"]), int(tok.get("o", 0))
-    else:
-        vid, start = store.resolve(ref_param(ref)), 0
+    vid, start = paging.pinned(page_token, "tensors", ref) or (store.resolve(ref_param(ref)), 0)
     items, nxt = paging.offset_page([tensor_dict(t) for t in store.ls(vid)], start, limit)
-    token = None if nxt is None else paging.encode_token({"k": "tensors", "v": vid, "o": nxt})
-    return {"items": items, "next_page_token": token}
+    return {"items": items, "next_page_token": paging.pinned_token("tensors", vid, nxt, ref)}
+
+
+def _disposition(filename: str) -> str:
+    """An attachment header for `filename` (letters, digits, '._-'): HTTP headers are Latin-1, so a name
+    in another script goes as RFC 6266's `filename*` (UTF-8, percent-encoded) after an ASCII one."""
+    plain = "".join(c if c.isascii() else "_" for c in filename)
+    if plain == filename:
+        return f'attachment; filename="{filename}"'
+    return f"attachment; filename=\"{plain}\"; filename*=UTF-8''{quote(filename, safe='')}"
 
 
 def _send(store: ds.Store, body: Body, filename: str, range_: str | None, if_none_match: str | None,
           if_range: str | None) -> Response:
     etag = body.etag
     headers = {"ETag": etag, "Cache-Control": "public, max-age=31536000, immutable", "Accept-Ranges": "bytes",
-               "Content-Disposition": f'attachment; filename="{filename}"'}
+               "Content-Disposition": _disposition(filename)}
     if if_none_match is not None and (if_none_match.strip() == "*"
                                       or etag in [t.strip().removeprefix("W/") for t in if_none_match.split(",")]):
         return Response(status_code=304, headers={k: v for k, v in headers.items() if k != "Content-Disposition"})
@@ -65,7 +70,7 @@ def _send(store: ds.Store, body: Body, filename: str, range_: str | None, if_non
     if span is not None:
         status = 206
         headers["Content-Range"] = f"bytes {start}-{end - 1}/{length}"
-    return StreamingResponse(iter_body(store, body, start, end), status_code=status, media_type=body.media_type,
+    return StreamingResponse(started_body(store, body, start, end), status_code=status, media_type=body.media_type,
                              headers=headers)
 
 
@@ -81,7 +86,7 @@ def get_tensor(ref: str, key: str, format: Literal["npy", "safetensors"] = "npy"
     k = ref_param(key, "key")
     info = tensor_bytes_info(store, ref_param(ref), k)
     body = npy_body(info) if format == "npy" else safetensors_body([info], info.version)
-    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in k)
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in k)  # letters of any script stay
     return _send(store, body, f"{safe}.{'npy' if format == 'npy' else 'safetensors'}", range, if_none_match,
                  if_range)
 
@@ -109,13 +114,6 @@ def history(key: str, ref: str = Query("main", max_length=1024), limit: int = Li
             page_token: str | None = Token, store: ds.Store = Depends(get_store)) -> dict[str, Any]:
     """Stats along the first-parent chain of `ref`, oldest first; reads manifests, never tensor bytes."""
     k = ref_param(key, "key")
-    if page_token:
-        tok = paging.decode_token(page_token, "history")
-        if tok.get("key") != k:
-            raise ds.InvalidArgumentError("page_token belongs to another key's history; omit it to start over")
-        vid, start = str(tok["v"]), int(tok.get("o", 0))
-    else:
-        vid, start = store.resolve(ref_param(ref)), 0
+    vid, start = paging.pinned(page_token, "history", ref, k) or (store.resolve(ref_param(ref)), 0)
     items, nxt = paging.offset_page(table_rows(store.history(k, vid)), start, limit)
-    token = None if nxt is None else paging.encode_token({"k": "history", "key": k, "v": vid, "o": nxt})
-    return {"items": items, "next_page_token": token}
+    return {"items": items, "next_page_token": paging.pinned_token("history", vid, nxt, ref, k)}

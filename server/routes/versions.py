@@ -40,11 +40,11 @@ def list_versions(filter: str = Query("", max_length=8192, description="query, e
     q = paging.digest(filter, branch, column, desc)
     after = None
     if page_token:
-        tok = paging.decode_token(page_token, "versions")
-        if tok.get("q") != q:
+        tok = paging.decode_token(page_token, "versions", q=str, key=paging.SCALAR, id=str)
+        if tok["q"] != q:
             raise ds.InvalidArgumentError("page_token belongs to another filter/branch/order_by; "
                                           "repeat the same query parameters, or omit page_token")
-        after = (tok.get("key"), str(tok.get("id")))
+        after = (tok["key"], tok["id"])
     ids_page, last = paging.keyset_page(table, column, desc, after, limit)
     nxt = None if last is None else paging.encode_token({"k": "versions", "q": q, "key": last[0], "id": last[1]})
     return {"items": [version_dict(store.version(v)) for v in ids_page], "next_page_token": nxt}
@@ -56,20 +56,12 @@ def get_version(ref: str, store: ds.Store = Depends(get_store)) -> dict[str, Any
 
 
 def _pinned(store: ds.Store, ref: str, page_token: str | None, kind: str, *extra: Any) -> tuple[str, int]:
-    """(version id, offset) for a list fixed by a version: the token pins the id its first page resolved."""
-    if page_token:
-        tok = paging.decode_token(page_token, kind)
-        if tok.get("q") != paging.digest(ref, *extra):
-            raise ds.InvalidArgumentError(f"page_token belongs to another {kind} query; repeat the same "
-                                          "parameters, or omit page_token")
-        return str(tok["v"]), int(tok.get("o", 0))
-    return store.resolve(ref_param(ref)), 0
+    """(version id, offset): from the token, else `ref` resolved now and 0."""
+    return paging.pinned(page_token, kind, ref, *extra) or (store.resolve(ref_param(ref)), 0)
 
 
 def _next(kind: str, ref: str, vid: str, offset: int | None, *extra: Any) -> str | None:
-    if offset is None:
-        return None
-    return paging.encode_token({"k": kind, "q": paging.digest(ref, *extra), "v": vid, "o": offset})
+    return paging.pinned_token(kind, vid, offset, ref, *extra)
 
 
 @router.get("/versions/{ref}/ancestors", response_model=Page[str], summary="Ancestor ids, newest first")
@@ -102,13 +94,10 @@ def diff(a: str, b: str,
          store: ds.Store = Depends(get_store)) -> dict[str, Any]:
     wanted = [k for item in keys for k in item.split(",") if k] if keys else None
     ida, start = _pinned(store, a, page_token, "diff", b, wanted)
-    idb = str(paging.decode_token(page_token, "diff")["w"]) if page_token else store.resolve(ref_param(b))
+    idb = paging.decode_token(page_token, "diff", w=str)["w"] if page_token else store.resolve(ref_param(b))
     rows = table_rows(store.diff(ida, idb, keys=wanted))
     items, nxt = paging.offset_page(rows, start, limit)
-    token = None
-    if nxt is not None:
-        token = paging.encode_token({"k": "diff", "q": paging.digest(a, b, wanted), "v": ida, "w": idb, "o": nxt})
-    return {"items": items, "next_page_token": token}
+    return {"items": items, "next_page_token": paging.pinned_token("diff", ida, nxt, a, b, wanted, w=idb)}
 
 
 @router.post("/versions/{ref}/annotations", response_model=VersionOut, summary="Add or change annotations",
@@ -118,6 +107,4 @@ def annotate(ref: str, values: dict[str, Any] = Body(..., description="e.g. {\"m
     """Mutable annotations (never part of the id), as `store.annotate(ref, **values)`."""
     if not values:
         raise ds.InvalidArgumentError("the body names no annotation; send e.g. {\"metrics\": {\"val_acc\": 0.91}}")
-    if "ref" in values:  # annotate's own parameter: it cannot also be an annotation name
-        raise ds.InvalidArgumentError("annotation name 'ref' is reserved; pick another name")
     return version_dict(store.annotate(ref_param(ref), **values))
