@@ -6,7 +6,12 @@
 
 DCP's planner decides who writes what and reshards on load (FSDP, DTensor, any world size); the
 store adds content addressing, dedup across versions, lineage and tiers. The metadata is kept as
-JSON: loading never unpickles anything. Two ways of committing, chosen by how the store was opened:
+JSON. DCP keeps each non-tensor value (`step`, an optimizer's hyperparameters) as a pickle, which its
+planner loads with `torch.load(weights_only=False)`: `StoreReader` hands it only pickles that
+`torch.load(weights_only=True)` accepts (plain containers, numbers, strings, tensors), unless it was made
+with `allow_pickle=True`, so loading never runs arbitrary pickled code.
+
+Two ways of committing, chosen by how the store was opened:
 
 - A store opened by every rank of the job (`Store.open(path, comm=...)`, needed with node-local hot
   tiers): `write_data` is one collective `Store.save` of every rank's items (rank 0's carrying DCP's
@@ -50,7 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .errors import IntegrityError, InvalidArgumentError, NotFoundError
+from .errors import IntegrityError, InvalidArgumentError, NotFoundError, UnsupportedValueError
 from .save.tree import dtype_from_name, dtype_name
 from .store import Store
 
@@ -165,13 +170,28 @@ class StoreWriter(StorageWriter):
                                                 hparams=self.hparams, metrics=self.metrics, message=self.message)
 
 
+def _check_plain_pickle(raw: bytes, fqn: str, vid: str) -> None:
+    """UnsupportedValueError unless `torch.load(weights_only=True)` reads `raw`: DCP's planner then loads the
+    same bytes in full, and a pickle weights_only accepts calls nothing outside torch's allowlist."""
+    try:
+        torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:  # torch raises UnpicklingError, RuntimeError... for what it refuses
+        raise UnsupportedValueError(
+            f"DCP value {fqn!r} of version {vid[:12]} is a pickle that torch.load(weights_only=True) refuses "
+            f"({type(exc).__name__}); load it only if you trust the version: StoreReader(store, ref, "
+            "allow_pickle=True)") from None
+
+
 class StoreReader(StorageReader):
     """DCP `StorageReader` loading version `ref` of `store` at any world size (DCP reshards)."""
 
-    def __init__(self, store: Store, ref: Any = "main") -> None:
+    def __init__(self, store: Store, ref: Any = "main", *, allow_pickle: bool = False) -> None:
+        """`allow_pickle`: hand DCP's planner every stored non-tensor value, whatever its pickle holds
+        (only for versions you trust: the planner unpickles them in full)."""
         super().__init__()
         self.store = store
         self.ref = ref
+        self.allow_pickle = allow_pickle
         self.metadata: Metadata | None = None
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
@@ -220,12 +240,19 @@ class StoreReader(StorageReader):
             wanted.setdefault(part, []).append(pos)
         loaded = {part: self.store.load(self.vid, rank=part, keys=[f"t{p}" for p in sorted(set(pos))])
                   for part, pos in wanted.items()}
-        for item in plan.items:
+        raws: dict[int, bytes] = {}
+        for n, item in enumerate(plan.items):  # every value checked before the first is loaded into the state
+            if item.type == LoadItemType.BYTE_IO:
+                part, pos = self.metadata.storage_data[item.storage_index]
+                raws[n] = loaded[part][f"t{pos}"].numpy().tobytes()
+                if not self.allow_pickle:
+                    _check_plain_pickle(raws[n], item.storage_index.fqn, self.vid)
+        for n, item in enumerate(plan.items):
+            if n in raws:
+                planner.load_bytes(item, io.BytesIO(raws[n]))
+                continue
             part, pos = self.metadata.storage_data[item.storage_index]
             stored = loaded[part][f"t{pos}"]
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(stored.numpy().tobytes()))
-                continue
             for dim, (offset, length) in enumerate(zip(item.storage_offsets, item.lengths)):
                 stored = stored.narrow(dim, offset, length)
             target = planner.resolve_tensor(item).detach()

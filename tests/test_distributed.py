@@ -272,6 +272,44 @@ def test_dcp_metadata_round_trips_through_json_without_pickle(tmp_path: Path) ->
             StoreReader(s, "plain").read_metadata()
 
 
+def _mark(path: str) -> None:
+    Path(path).write_text("ran")
+
+
+class _Runs:
+    """A value whose pickle calls a function at load (writes a file): what no load may run unless asked to."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_mark, (str(self.marker),))
+
+
+def test_dcp_load_never_runs_a_pickled_call_unless_allowed(tmp_path: Path) -> None:
+    """DCP keeps non-tensor values as pickles, which its planner loads with weights_only=False: the reader
+    handed it whatever the store held, so dcp.load ran pickled code no Store.load would."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from datastates.dcp import StoreReader, StoreWriter
+
+    marker = tmp_path / "ran"
+    with ds.Store.open(tmp_path / "s") as s:
+        dcp.save({"w": torch.arange(4.0), "extra": _Runs(marker), "step": 7},
+                 storage_writer=StoreWriter(s, branch="dcp"), no_dist=True)
+        target: dict[str, Any] = {"w": torch.zeros(4), "extra": None, "step": 0}
+        with pytest.raises(BaseException) as info:  # DCP's CheckpointException is a BaseException
+            dcp.load(target, storage_reader=StoreReader(s, "dcp"), no_dist=True)
+        inner = info.value.failures[0][0]  # type: ignore[attr-defined]  # (exception, its frames) of rank 0
+        assert isinstance(inner, ds.UnsupportedValueError) and "'extra'" in str(inner)
+        assert "allow_pickle=True" in str(inner)
+        assert not marker.exists()
+        assert torch.equal(target["w"], torch.zeros(4)) and target["step"] == 0  # nothing loaded before the refusal
+        dcp.load(target, storage_reader=StoreReader(s, "dcp", allow_pickle=True), no_dist=True)
+        assert marker.read_text() == "ran" and target["step"] == 7 and torch.equal(target["w"], torch.arange(4.0))
+
+
 def test_comm_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     from datastates.base.comm import DEFAULT_TIMEOUT, comm_timeout
 
