@@ -80,7 +80,8 @@ class CommTimeoutError(SaveFailedError):
 
 
 class ShapeMismatchError(DataStatesError, ValueError):
-    """A stored tensor does not match the dtype or shape it is loaded into."""
+    """A stored tensor does not match the dtype or shape it is loaded into, or a stored state does not fit
+    the live object it is checked out into (keys, an optimizer's parameter groups)."""
 
 
 class InvalidArgumentError(DataStatesError, ValueError):

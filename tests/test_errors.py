@@ -253,6 +253,42 @@ def test_checkout_into_wrong_shape(filled: ds.Store) -> None:
     assert all(torch.equal(before[k], x) for k, x in target.state_dict().items())
 
 
+def test_a_refused_checkout_leaves_every_live_object_as_it_was(filled: ds.Store) -> None:
+    """A module with an extra layer was half loaded before torch's RuntimeError; with a module that fit and an
+    optimizer that did not, the module was loaded before the optimizer's ValueError. Neither was typed."""
+    torch.manual_seed(0)
+    saved = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    opt = torch.optim.Adam(saved.parameters())
+    saved(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    sched = torch.optim.lr_scheduler.StepLR(opt, 3)
+    v = filled.save({"model": saved, "optim": opt, "sched": sched}, branch="co")
+
+    def snapshot(*objs: Any) -> list[Any]:
+        return [repr(o.state_dict()) for o in objs]
+
+    extra = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2), nn.Linear(2, 2))
+    before = snapshot(extra)
+    words = r"model: 2 key\(s\) of the live module are not in version \w+: \['2.bias', '2.weight'\]; nothing"
+    with pytest.raises(ds.ShapeMismatchError, match=words):
+        filled.checkout(v, model=extra)
+    assert snapshot(extra) == before
+    live = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    live_sched_opt = torch.optim.SGD(live.parameters(), lr=0.5)
+    live_sched = torch.optim.lr_scheduler.StepLR(live_sched_opt, 7)
+    one_group_short = torch.optim.Adam([live[0].weight])
+    before = snapshot(live, live_sched, one_group_short)
+    with pytest.raises(ds.ShapeMismatchError, match="optim: the state saved in version .* nothing was loaded"):
+        filled.checkout(v, model=live, sched=live_sched, optim=one_group_short)  # the scheduler loads, then is put back
+    assert snapshot(live, live_sched, one_group_short) == before
+    fits = torch.optim.Adam(live.parameters())
+    filled.checkout(v, model=live, optim=fits, sched=live_sched)
+    assert torch.equal(live[1].weight, saved[1].weight) and live_sched.step_size == 3
+    assert torch.equal(fits.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    filled.checkout(v, model=extra, strict=False)  # the keys both have
+    assert torch.equal(extra[0].weight, saved[0].weight)
+
+
 # --------------------------------------------------------------------------- failures after the bytes are written
 def _commitfail(zygote: Zygote, path: Path, mode: str) -> dict[str, list[str]]:
     """Run `saver.py commitfail`; its RESULT, SNAP, NEXT and LOAD lines (words after the tag)."""

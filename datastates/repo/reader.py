@@ -23,7 +23,7 @@ from ..errors import (
     NotFoundError,
     ShapeMismatchError,
 )
-from ..meta.versions import Version
+from ..meta.versions import Version, shown
 from ..objects.object_store import PendingRead
 from ..save.collective import matches
 from ..save.manifest import Manifest
@@ -343,7 +343,9 @@ def checkout(repo: Repository, ref: Any, objects: dict[str, Any], *, strict: boo
 
     Each name is a top-level key of the saved state (with the usual aliases: optimizer/optim,
     scheduler/lr_scheduler). Raises NotFoundError naming the missing key and the keys that exist,
-    ShapeMismatchError naming the first tensor whose shape differs.
+    ShapeMismatchError naming the first tensor whose shape differs, the keys a module and the saved state
+    do not share (with `strict`), or the object whose own load_state_dict refused the state (an
+    optimizer's parameter groups); the live objects are then as they were.
     """
     v = repo.version(ref)
     names = {}
@@ -365,15 +367,30 @@ def checkout(repo: Repository, ref: Any, objects: dict[str, Any], *, strict: boo
     for dev, wanted in by_device.items():
         state.update(load(repo, v, keys=wanted, device=dev, allow_pickle=allow_pickle, executor=executor,
                           version=v))
-    for name, obj in objects.items():  # check everything first: a failed checkout changes nothing
-        if isinstance(obj, torch.nn.Module):
-            _check_shapes(name, state[names[name]], obj.state_dict(), v)
+    modules = {n: o for n, o in objects.items() if isinstance(o, torch.nn.Module)}
+    for name, obj in modules.items():  # checked whole first: a module's load_state_dict copies as it goes
+        _check_module(name, state[names[name]], obj.state_dict(), v, strict)
+    # The other objects (optimizers, schedulers, scalers) check what they can only in their own load_state_dict:
+    # they go before the modules, and one that refuses puts back those loaded before it. Their state_dict()
+    # holds references, and their load_state_dict replaces values rather than writing into them, so the
+    # references are the state as it was.
+    loaded: list[tuple[Any, Any]] = []
     for name, obj in objects.items():
-        sd = state[names[name]]
-        if isinstance(obj, torch.nn.Module):
-            obj.load_state_dict(sd, strict=strict)
-        else:
-            obj.load_state_dict(sd)
+        if name in modules:
+            continue
+        before = obj.state_dict()
+        try:
+            obj.load_state_dict(state[names[name]])
+        except Exception as exc:
+            for done, state_before in reversed(loaded):
+                done.load_state_dict(state_before)
+            raise ShapeMismatchError(f"{name}: the state saved in version {v.short} does not fit the live object "
+                                     f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                                     "nothing was loaded; build it as it was saved (the same parameter groups)"
+                                     ) from exc
+        loaded.append((obj, before))
+    for name, obj in modules.items():
+        obj.load_state_dict(state[names[name]], strict=strict)
     return v
 
 
@@ -401,15 +418,25 @@ def _module_device(obj: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_shapes(name: str, saved: Any, live: dict[str, Any], v: Version) -> None:
-    """Raise ShapeMismatchError naming the first tensor whose saved shape differs from the live one."""
+def _check_module(name: str, saved: Any, live: dict[str, Any], v: Version, strict: bool) -> None:
+    """Raise ShapeMismatchError naming the first tensor whose saved shape differs from the live one, or (with
+    `strict`) the keys one side has and the other lacks: what `load_state_dict` refuses only after copying the
+    tensors that fit."""
+    saved = saved if isinstance(saved, dict) else {}
     for key, t in live.items():
-        s = saved.get(key) if isinstance(saved, dict) else None
+        s = saved.get(key)
         if isinstance(t, torch.Tensor) and isinstance(s, torch.Tensor) and tuple(s.shape) != tuple(t.shape):
             raise ShapeMismatchError(
                 f"{name}.{key} is {tuple(s.shape)} in version {v.short} but {tuple(t.shape)} in the live object; "
                 "build the object with the saved architecture, or load the state and map it yourself"
             )
+    missing, unexpected = sorted(set(live) - set(saved)), sorted(set(saved) - set(live))
+    if strict and (missing or unexpected):
+        sides = [f"{len(keys)} key(s) {what} {shown(keys)}" for keys, what in (
+            (missing, f"of the live module are not in version {v.short}:"),
+            (unexpected, f"of version {v.short} are not in the live module:")) if keys]
+        raise ShapeMismatchError(f"{name}: {'; '.join(sides)}; nothing was loaded; build the module with the saved "
+                                 "architecture, or pass strict=False to load the keys both have")
 
 
 def _tree_paths(node: dict[str, Any], path: str = "") -> list[str]:
