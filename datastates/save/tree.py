@@ -16,7 +16,7 @@ import itertools
 import operator
 import pickle
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -196,27 +196,31 @@ class Flattener:
                 v = v.detach().resolve_conj().resolve_neg()
             self._tensors.append((path, v))
             return node
-        if v is None or isinstance(v, (bool, str)):
+        # Exact types, here and below: a subclass (a str Enum, np.str_, a MaskedArray, np.matrix) saved as its
+        # base would load as the base, silently changed; it needs pickle, as with torch.load(weights_only=True).
+        if v is None or type(v) in _PLAIN:
             return {"t": "v", "v": v}
-        if isinstance(v, (int, float)) and type(v) in (int, float):
-            return {"t": "v", "v": v}
-        if isinstance(v, (bytes, bytearray)):
-            return {"t": "bytes", "v": base64.b64encode(bytes(v)).decode()}
+        if type(v) in (bytes, bytearray):
+            node = {"t": "bytes", "v": base64.b64encode(v).decode()}
+            return {**node, "ba": True} if type(v) is bytearray else node
         if isinstance(v, torch.dtype):
             return {"t": "dtype", "v": dtype_name(v)}
         if isinstance(v, torch.device):
             return {"t": "device", "v": str(v)}
         if isinstance(v, torch.Size):
             return {"t": "size", "v": list(v)}
-        if isinstance(v, np.ndarray) and v.dtype.kind in "biufc" and v.dtype.isnative:
-            node = self._node(torch.from_numpy(np.ascontiguousarray(v)), path)
+        if type(v) is np.ndarray and v.dtype.kind in "biufc" and v.dtype.isnative:
+            # Not np.ascontiguousarray, which makes a 0-d array 1-d.
+            node = self._node(torch.from_numpy(v if v.flags.c_contiguous else v.copy(order="C")), path)
             return {**node, "np": True}
         if isinstance(v, np.generic) and v.dtype.kind in "biufc":
             return {"t": "npscalar", "dtype": v.dtype.str, "v": base64.b64encode(v.tobytes()).decode()}
-        if isinstance(v, dict) and type(v) in (dict, OrderedDict):
+        if isinstance(v, dict) and type(v) in (dict, OrderedDict, Counter):
             keys = [_key_json(k, path) for k in v]
             vals = [self._node(x, f"{path}.{k}" if path else str(k), depth + 1) for k, x in v.items()]
-            return {"t": "odict" if type(v) is OrderedDict else "dict", "k": keys, "v": vals}
+            node = {"t": "odict" if type(v) is OrderedDict else "dict", "k": keys, "v": vals}
+            # A Counter (MultiStepLR's milestones) is a dict that loads back as a Counter, as torch.load's does.
+            return {**node, "cls": "Counter"} if type(v) is Counter else node
         if type(v) in (list, tuple):
             vals = [self._node(x, f"{path}.{i}" if path else str(i), depth + 1) for i, x in enumerate(v)]
             return {"t": type(v).__name__, "v": vals}
@@ -389,8 +393,8 @@ def _walk_node(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | N
             return None
         return node if type(v) is type(node["v"]) and v == node["v"] else {"t": "v", "v": v}
     if t in ("dict", "odict"):
-        if type(v) is not (dict if t == "dict" else OrderedDict) or len(v) != len(node["k"]):
-            return None
+        if type(v) is not (dict if t == "dict" else OrderedDict) or "cls" in node or len(v) != len(node["k"]):
+            return None  # ("cls": a Counter, never walked: a dict in its place must not load as one)
         for k, k0 in zip(v, node["k"]):
             if k is not k0 and (type(k) is not type(k0) or k != k0):
                 return None
@@ -782,7 +786,8 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
     if t == "v":
         return node["v"]
     if t == "bytes":
-        return base64.b64decode(node["v"])
+        raw = base64.b64decode(node["v"])
+        return bytearray(raw) if node.get("ba") else raw
     if t == "dtype":
         return dtype_from_name(node["v"])
     if t == "device":
@@ -792,7 +797,7 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
     if t == "npscalar":
         return np.frombuffer(base64.b64decode(node["v"]), dtype=np.dtype(node["dtype"]))[0]
     if t in ("dict", "odict"):
-        out: dict[Any, Any] = OrderedDict() if t == "odict" else {}
+        out: dict[Any, Any] = OrderedDict() if t == "odict" else (Counter() if node.get("cls") == "Counter" else {})
         keys, vals = node["k"], node["v"]
         for j in _positions(node, path, select, route):
             k = keys[j]
