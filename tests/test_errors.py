@@ -242,6 +242,22 @@ def test_closed_store(tmp_path: Path) -> None:
         s.load("main")
 
 
+def test_every_read_of_a_closed_store_says_it_is_closed(tmp_path: Path) -> None:
+    """log, version, ls, diff, history, find, versions_table, ancestors, du and checkout raised lmdb.Error;
+    branches, tags and resolve answered from the files as if the store were open."""
+    s = ds.Store.open(tmp_path / "s")
+    s.save({"w": torch.ones(3)}, step=1)
+    s.save({"w": torch.zeros(3)}, step=2)
+    s.close()
+    reads = [lambda: s.log(), lambda: s.version("main"), lambda: s.branches(), lambda: s.tags(),
+             lambda: s.ls(), lambda: s.diff("main~1", "main"), lambda: s.history("w"), lambda: s.find("step > 0"),
+             lambda: s.versions_table(), lambda: s.ancestors("main"), lambda: s.resolve("main"), lambda: s.du(),
+             lambda: s.checkout("main", model=nn.Linear(1, 1)), lambda: s.merge_base("main", "main~1")]
+    for read in reads:
+        with pytest.raises(ds.StoreClosedError, match="is closed; open it again with Store.open"):
+            read()
+
+
 # --------------------------------------------------------------------------- loading into live objects
 def test_checkout_into_wrong_shape(filled: ds.Store) -> None:
     """Regression: torch's RuntimeError escaped after the matching tensors were copied (half-loaded module)."""

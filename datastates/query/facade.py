@@ -47,7 +47,9 @@ class Queries:
         return paths(self.repo.graph, self.repo.resolve(src), self.repo.resolve(dst), limit=limit)
 
     def versions_table(self) -> Any:
-        """Every version as a pyarrow Table: fixed fields plus hparams.*, metrics.*, annotations.* columns."""
+        """Every version as a pyarrow Table: fixed fields plus hparams.*, metrics.*, annotations.* columns.
+        Raises StoreClosedError."""
+        self.repo.check_open()
         key = (self.repo.catalog.generation(), tuple(sorted(self.repo.tags().items())))
         if self._table is None or self._table[0] != key:
             self._table = (key, table.build(self.repo))

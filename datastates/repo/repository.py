@@ -114,8 +114,9 @@ class Repository:
     def resolve(self, ref: Any) -> str:
         """The full version id named by `ref`: an id, a unique prefix (>= 6 hex), a branch, a tag, `REF~N`.
 
-        Raises NotFoundError, AmbiguousRefError.
+        Raises StoreClosedError, NotFoundError, AmbiguousRefError.
         """
+        self.check_open()  # every read names a version first: after close() the catalog is gone (lmdb.Error)
         if isinstance(ref, Version):
             return ref.id
         if isinstance(ref, SaveHandle):
@@ -168,9 +169,11 @@ class Repository:
         )
 
     def branches(self) -> dict[str, str]:
+        self.check_open()
         return self.refs.names("branch")
 
     def tags(self) -> dict[str, str]:
+        self.check_open()
         return self.refs.names("tag")
 
     def create_branch(self, name: str, at: Any = "main", *, force: bool = False) -> str:
@@ -254,7 +257,7 @@ class Repository:
     def version(self, ref: Any, annotated: bool = True) -> Version:
         """The Version named by `ref`, with its annotations (later metrics laid over the record's) unless
         `annotated` is False: a load needs only the record and whether the version was pruned or damaged.
-        Raises NotFoundError, IntegrityError."""
+        Raises StoreClosedError, NotFoundError, IntegrityError."""
         vid = self.resolve(ref)
         got = self.catalog.entry(vid, annotations=annotated)
         if got is None:
@@ -366,6 +369,7 @@ class Repository:
 
     def du(self) -> dict[str, int]:
         """Bytes as the versions see them (total) against bytes actually stored (unique)."""
+        self.check_open()
         total = sum(readable(json.loads(rec))[0]["bytes_total"] for _, rec in self.catalog.records())
         unique = sum(loc.raw_length for _, loc in self.catalog.iter_chunks())
         packs = list((self.path / "packs").glob("*.pack"))
