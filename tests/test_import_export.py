@@ -116,6 +116,17 @@ def test_a_malicious_pickle_is_refused_without_running(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_a_file_the_store_refuses_imports_nothing(tmp_path: Path) -> None:
+    """torch.load reads a sparse tensor, which the store refuses: step 100 was imported and its branch made
+    before step 200 was refused, though a refused file should change nothing."""
+    torch.save({"model": _model_state(1)}, tmp_path / "step-100.pt")
+    torch.save({"model": _model_state(2), "sparse": torch.eye(3).to_sparse()}, tmp_path / "step-200.pt")
+    with ds.Store.open(tmp_path / "s") as store:
+        with pytest.raises(ds.UnsupportedValueError, match="step-200.pt: .*sparse.*; nothing was imported"):
+            ds.import_checkpoints(store, [tmp_path / "step-100.pt", tmp_path / "step-200.pt"], branch="x")
+        assert store.branches() == {} and store.versions_table().num_rows == 0
+
+
 @pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
 def test_export_then_import_round_trips_bit_exact(tmp_path: Path, fmt: str) -> None:
     state = {"model": _model_state(7), "bf16": torch.arange(6, dtype=torch.bfloat16), "step": 7}

@@ -21,9 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from ..base.progress import bar
-from ..errors import InvalidArgumentError, NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError, UnsupportedValueError
 from ..meta.versions import Version
 from ..save.foreign import FORMATS, Foreign, read, step_of, write
+from ..save.tree import flatten
 from ..store import Store
 
 
@@ -68,6 +69,11 @@ def import_checkpoints(store: Store, paths: Iterable[str | os.PathLike[str]], *,
         for path in files:
             read_.append(read(path, allow_pickle=allow_pickle))
             b.update(1)
+    for f in read_:  # what torch.load reads the store may refuse (a sparse tensor): find it before any save
+        try:
+            flatten(f.state, allow_pickle=f.needs_pickle)
+        except UnsupportedValueError as exc:
+            raise UnsupportedValueError(f"{f.path}: {exc}; nothing was imported") from None
     steps = [step_of(f, step_from) for f in read_]
     order = sorted(range(len(read_)), key=lambda i: (steps[i] is None, steps[i] or 0, str(read_[i].path)))
     report = ImportReport()
