@@ -257,6 +257,15 @@ def test_a_subclass_of_a_plain_type_needs_pickle(rt_store: ds.Store, value: Any,
     assert type(got["x"]) is type(value)
 
 
+def test_a_quantized_tensor_is_refused_with_what_works(rt_store: ds.Store, unchanged: Any) -> None:
+    """The error said to save with allow_pickle=True, which was refused the same way (tensors never pickle)."""
+    q = torch.quantize_per_tensor(torch.tensor([1.0, 2.0]), 0.1, 0, torch.qint8)
+    for allow_pickle in (False, True):
+        with unchanged(rt_store), pytest.raises(ds.UnsupportedValueError, match=r"save t.dequantize\(\)") as info:
+            rt_store.save({"q": q}, branch="quantized", allow_pickle=allow_pickle)
+        assert "allow_pickle" not in str(info.value)
+
+
 def test_same_tensor_twice_comes_back_as_one(rt_store: ds.Store) -> None:
     t = torch.randn(5, 3)
     got = roundtrip(rt_store, {"a": t, "b": t, "c": [t]})
@@ -437,6 +446,10 @@ def test_partial_load_leaves_out_unselected_empty_containers(rt_store: ds.Store)
     got = rt_store.load(v, keys=["model"])
     assert list(got) == ["model"]
     assert rt_store.load(v, keys=["extra", "empty"]) == {"extra": [], "empty": {}}  # selected: kept
+    # A container under the key '' has the state's own path, '': it came back as {'': {}} from every partial load.
+    v = rt_store.save({"": {"x": torch.ones(1)}, "w": torch.zeros(2)}, branch="partial")
+    assert list(rt_store.load(v, keys=["w"])) == ["w"]
+    assert rt_store.load(v, keys=["x"])[""]["x"].tolist() == [1.0]  # (its tensor's path is "x")
 
 
 def test_partial_load_of_plain_values(rt_store: ds.Store) -> None:

@@ -156,7 +156,9 @@ def _check_tensor(t: torch.Tensor, path: str) -> None:
     if t.device.type == "meta":
         raise UnsupportedValueError(f"{path} is a meta tensor and has no data; materialize it before saving")
     if t.is_quantized:
-        raise UnsupportedValueError(f"{path} is a quantized tensor; dequantize it or save with allow_pickle=True")
+        # (allow_pickle does not help: tensors are never pickled, so say only what does)
+        raise UnsupportedValueError(f"{path} is a quantized tensor; save t.dequantize(), or its int_repr() with "
+                                    "its q_scale() and q_zero_point()")
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         raise UnsupportedValueError(f"{path} is a tensor subclass {type(t).__name__}; save a plain tensor")
 
@@ -762,8 +764,9 @@ _CONTAINERS = ("dict", "odict", "list", "tuple")
 
 
 def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: bool = False, path: str = "",
-              select: Callable[[str], bool] | None = None, route: Route | None = None) -> Any:
-    """Rebuild the saved containers around `tensor(row)`; pickle only with `allow_pickle`.
+              select: Callable[[str], bool] | None = None, route: Route | None = None, root: bool = True) -> Any:
+    """Rebuild the saved containers around `tensor(row)`; pickle only with `allow_pickle`. `root`: `node` is
+    the whole state (a child under the key '' has the path '' too).
 
     A subtree whose tensors were not selected (`tensor` returns the `SKIP`
     sentinel) is left out of its container. With a `route` (`PathIndex.route`),
@@ -801,16 +804,16 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
         keys, vals = node["k"], node["v"]
         for j in _positions(node, path, select, route):
             k = keys[j]
-            v = unflatten(vals[j], tensor, allow_pickle, f"{path}.{k}" if path else str(k), select, route)
+            v = unflatten(vals[j], tensor, allow_pickle, f"{path}.{k}" if path else str(k), select, route, False)
             if v is not SKIP:
                 out[k] = v
-        return SKIP if _drop_empty(select, path, out) else out
+        return SKIP if _drop_empty(select, path, out, root) else out
     if t in ("list", "tuple"):
         vals = node["v"]
-        items = [unflatten(vals[i], tensor, allow_pickle, f"{path}.{i}" if path else str(i), select, route)
+        items = [unflatten(vals[i], tensor, allow_pickle, f"{path}.{i}" if path else str(i), select, route, False)
                  for i in _positions(node, path, select, route)]
         items = [x for x in items if x is not SKIP]
-        if _drop_empty(select, path, items):
+        if _drop_empty(select, path, items, root):
             return SKIP
         return items if t == "list" else tuple(items)
     if t == "pickle":
@@ -916,9 +919,9 @@ class PathIndex:
         return out
 
 
-def _drop_empty(select: Callable[[str], bool] | None, path: str, kept: Any) -> bool:
-    """A container left empty by a partial load goes too, unless it was selected itself."""
-    return select is not None and not kept and bool(path) and not select(path)
+def _drop_empty(select: Callable[[str], bool] | None, path: str, kept: Any, root: bool) -> bool:
+    """A container left empty by a partial load goes too, unless it was selected itself or is the state."""
+    return select is not None and not kept and not root and not select(path)
 
 
 class _Skip:
