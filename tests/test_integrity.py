@@ -180,8 +180,9 @@ def test_damaged_hot_manifest_falls_back_to_cold_and_is_repaired(tmp_path: Path)
 
 # 2. refs, config, catalog file -----------------------------------------------------------------
 
-@pytest.mark.parametrize("damage", ["flip", "garbage", "truncate"])
+@pytest.mark.parametrize("damage", ["flip", "garbage", "truncate", "empty"])
 def test_damaged_ref_does_not_take_the_store_down(tmp_path: Path, damage: str) -> None:
+    """(An empty file was read as no ref: the branch vanished from every listing and fsck said ok.)"""
     cold, hot, ids = make(tmp_path, False)
     s = open_store(cold, hot)
     s.branch("other", ids[0])
@@ -191,8 +192,10 @@ def test_damaged_ref_does_not_take_the_store_down(tmp_path: Path, damage: str) -
         flip(ref, 3)
     elif damage == "garbage":
         ref.write_bytes(b"\xff\xfe not an id\n")
-    else:
+    elif damage == "truncate":
         ref.write_bytes(ref.read_bytes()[:20])
+    else:
+        ref.write_bytes(b"")
     s = open_store(cold, hot)
     try:
         assert s.branches() == {"main": ids[2]}  # skipped, the other refs still list
@@ -393,6 +396,110 @@ def test_unrestorable_record_is_quarantined_and_version_marked_damaged(tmp_path:
         assert any("cleared its damaged mark" in line for line in rep.repaired)
         assert s.fsck().ok
         assert all(s.load(vid)["w"].numel() == 64 for vid in ids)
+    finally:
+        s.close()
+
+
+def test_repair_keeps_the_packs_of_a_version_whose_manifest_is_missing_or_in_quarantine(tmp_path: Path) -> None:
+    """With a manifest deleted, or damaged and moved to quarantine/ by a first repair, the pack of its version
+    was called debris ('holds no chunk a version needs') and a repair deleted it: the manifest put back from a
+    backup then named chunks that were gone."""
+    cold, hot, ids = make(tmp_path, False)
+    s = open_store(cold, hot)
+    mid = s.version(ids[1]).manifests["0"]
+    s.close()
+    man = cold / "manifests" / mid[:2] / f"{mid}.arrow"
+    backup = man.read_bytes()
+    packs = sorted(p.name for p in (cold / "packs").glob("*.pack"))
+    for damage in ("delete", "flip"):
+        if damage == "delete":
+            man.unlink()
+        else:
+            flip(man)
+        s = open_store(cold, hot)
+        try:
+            for _ in range(2):  # the second repair runs with the manifest in quarantine/
+                rep = s.fsck(repair=True)
+                assert not rep.ok and any(f"manifest {mid[:12]}" in p for p in rep.problems)
+            assert sorted(p.name for p in (cold / "packs").glob("*.pack")) == packs
+        finally:
+            s.close()
+        man.parent.mkdir(parents=True, exist_ok=True)
+        man.write_bytes(backup)  # the backup goes back
+        s = open_store(cold, hot)
+        try:
+            s.fsck(repair=True)
+            assert s.fsck().ok
+        finally:
+            s.close()
+        assert all(loads(cold, hot, ids).values())
+
+
+def test_a_lost_pack_is_reported_with_its_versions_and_found_again_when_put_back(tmp_path: Path) -> None:
+    """A repair dropped a lost pack's catalog entries and said ok, though versions had lost their tensors; the
+    pack put back from a backup was then unindexed, and the next repair deleted it as debris."""
+    cold, hot, ids = make(tmp_path, False)
+    pack = max((cold / "packs").glob("*.pack"), key=lambda p: p.stat().st_size)
+    backup = pack.read_bytes()
+    pack.unlink()
+    s = open_store(cold, hot)
+    try:
+        for repair in (False, True, False):
+            rep = s.fsck(repair=repair)
+            assert not rep.ok
+            assert any(f"pack {pack.stem} is missing from every tier and" in p and "version(s) need its chunks" in p
+                       for p in rep.problems)
+    finally:
+        s.close()
+    pack.write_bytes(backup)
+    s = open_store(cold, hot)
+    try:
+        assert s.fsck().ok
+    finally:
+        s.close()
+    assert all(loads(cold, hot, ids).values())
+    # A pack the catalog forgot (what the old repair did) while a version needs its chunks is indexed again.
+    c = Catalog(cold / "catalog")
+    c.drop_pack(pack.stem)
+    c.close()
+    s = open_store(cold, hot)
+    try:
+        rep = s.fsck()
+        assert any(f"pack {pack.stem} holds" in p and "does not index" in p for p in rep.problems)
+        rep = s.fsck(repair=True)
+        assert any(f"indexed pack {pack.stem} again" in line for line in rep.repaired) and pack.exists()
+        assert s.fsck().ok
+    finally:
+        s.close()
+    assert all(loads(cold, hot, ids).values())
+
+
+def test_a_ref_to_no_version_is_moved_aside_and_lost_annotation_files_are_written_back(tmp_path: Path) -> None:
+    """A branch naming a well-formed id of no version was reported forever (repair left it); an annotation
+    file deleted went unnoticed, then a catalog rebuild lost the annotations."""
+    cold, hot, ids = make(tmp_path, False)
+    s = open_store(cold, hot)
+    s.branch("ghost", ids[0])
+    s.close()
+    (cold / "refs" / "heads" / "ghost").write_text("0" * 64 + "\n")
+    (ann,) = files(cold, "annotations")
+    ann.unlink()
+    s = open_store(cold, hot)
+    try:
+        rep = s.fsck()
+        assert any("branch 'ghost' on tier hot points at version 000000000000, which no tier holds" in p
+                   for p in rep.problems)
+        assert any(f"annotations of version {ids[0][:12]} is gone from every tier" in p for p in rep.problems)
+        rep = s.fsck(repair=True)
+        assert not (cold / "refs" / "heads" / "ghost").exists() and list((cold / "quarantine").rglob("ghost.*"))
+        assert ann.exists() and s.fsck().ok and s.version(ids[0]).annotations["note"] == "first"
+    finally:
+        s.close()
+    ann.unlink()  # and a rebuild keeps what the catalog held
+    s = open_store(cold, hot)
+    try:
+        s.fsck(rebuild=True)
+        assert s.version(ids[0]).annotations["note"] == "first" and ann.exists()
     finally:
         s.close()
 

@@ -6,9 +6,11 @@ copy of it), annotation file and ref, and reports what is wrong and on which tie
 copy (one whose blake3 matches) on another tier or in the catalog; a damaged file with no intact
 copy is moved to `quarantine/` (report line in quarantine/report.jsonl) and its version is
 marked damaged; versions are never removed. It also removes debris of interrupted saves (temp
-files, packs and manifests no version names, only when every record could be read) and indexes
-complete records the catalog missed. A corrupt chunk is reported and its pack restored from
-another tier when one holds a good copy, never removed.
+files, packs and manifests no version names, only when every record and manifest could be read, and
+never a pack holding a chunk some manifest names: that pack is indexed again) and indexes complete
+records the catalog missed. A corrupt chunk is reported and its pack restored from another tier when
+one holds a good copy, never removed. A pack gone from every tier is reported with the versions that
+need it; its catalog entries stay for when it is put back.
 """
 
 from __future__ import annotations
@@ -66,6 +68,10 @@ def rebuild_catalog(store: Repository) -> int:
     """
     store = as_repository(store)
     cat = store.catalog
+    try:  # annotations whose file was lost live on in the catalog: not rebuilt from files, they are kept
+        kept = cat.all_annotations()
+    except Exception:  # a damaged catalog (the usual reason to rebuild) may not give them back
+        kept = {}
     cat.clear()
     for tier in store.tiers:
         for path in progress(list(list_packs(tier.root / "packs")), f"rebuild: indexing {tier.name} packs",
@@ -100,6 +106,10 @@ def rebuild_catalog(store: Repository) -> int:
                 # never silently: fsck lists the file; an intact copy on the other tier (if any) is used
                 log.warning("annotations of version %s on tier %s %s; run `datastates fsck`", vid[:12],
                             tier.name, exc)
+    for vid, values in kept.items():
+        if values and cat.record(vid) is not None and not any(t.annotation_path(vid).exists() for t in store.tiers):
+            cat.set_annotations(vid, values)
+            write_new(store.tier.annotation_path(vid), encode_annotations(values))
     # A `<id>.pruned` marker beside a record (written by datastates.retention.prune) is the truth: without
     # it a rebuilt catalog would offer a pruned version whose bytes gc may already have freed.
     for tier in store.tiers:
@@ -120,12 +130,13 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
             rep.repaired.append(f"rebuilt the catalog from files: {n} versions")
         _check_leftovers(store, rep, repair)
         live_packs = _check_packs(store, rep, repair)
-        manifests_needed, packs_needed, sure = _check_records(store, rep, repair)
-        if sure:
-            _check_orphans(store, rep, repair, live_packs, manifests_needed, packs_needed)
+        needs = _check_records(store, rep, repair)
+        _check_missing_packs(store, rep, repair, live_packs, needs)
+        if needs.sure:
+            _check_orphans(store, rep, repair, live_packs, needs)
         else:
-            rep.notes.append("unreferenced manifests and packs were not looked for: a version record has no "
-                             "intact copy, so what it needs is unknown")
+            rep.notes.append("unreferenced manifests and packs were not looked for: a version record or manifest "
+                             "has no intact copy, so what it needs is unknown")
         _check_annotations(store, rep, repair)
         for t in store.tiers:
             refs = store.refs_on(t)
@@ -140,8 +151,21 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
                         rep.problems.append(f"{kind} {name!r}: ref file {path} on tier {t.name} {why}")
                 for name, vid in refs.names(kind).items():  # type: ignore[arg-type]
                     rep.checked["refs"] = rep.checked.get("refs", 0) + 1
-                    if t is tier and cat.raw_record(vid) is None and t.read_record(vid) is None:
-                        rep.problems.append(f"{kind} {name!r} points at missing version {vid[:12]}")
+                    if t is not tier or cat.raw_record(vid) is not None or any(
+                            u.read_record(vid) is not None for u in store.tiers):
+                        continue
+                    # A well-formed id of no version (a flipped hex digit): as damaged as a garbage file, and
+                    # moved aside the same way (never rewritten: which version it meant is a guess).
+                    missing = f"version {vid[:12]}, which no tier holds"
+                    if repair:
+                        path = refs.path_of(kind, name)  # type: ignore[arg-type]
+                        moved = t.quarantine(path, f"points at missing version {vid}")
+                        rep.repaired.append(f"moved {kind} {name!r} on tier {t.name} (it pointed at {missing}) to "
+                                            f"{moved.relative_to(t.root)}; its reflog (Store.reflog({name!r}, "
+                                            f"{kind!r})) shows where it pointed before; recreate the ref")
+                    else:
+                        rep.problems.append(f"{kind} {name!r} on tier {t.name} points at {missing}; "
+                                            "`datastates fsck --repair` moves it to quarantine/")
     return rep
 
 
@@ -266,15 +290,24 @@ def _mark_damaged(store: Repository, vid: str, what: str) -> None:
         store.catalog.update_extra(vid, {"damaged": what})
 
 
-def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[set[str], set[str], bool]:
+@dataclass
+class Needs:
+    """What the versions need, from their manifests: `packs` (each with the versions needing it),
+    `chunks` (ids, whatever the catalog says of them) and `manifests`. Pruned versions' count: freeing their
+    bytes is gc's job. `sure` is False when some record or manifest has no intact copy anywhere: what it
+    names is unknown, so nothing may be called unreferenced."""
+
+    manifests: set[str] = field(default_factory=set)
+    packs: dict[str, set[str]] = field(default_factory=dict)
+    chunks: set[bytes] = field(default_factory=set)
+    sure: bool = True
+
+
+def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
     """Check every copy of every version record (each tier's file and the catalog's copy) and of
-    every manifest they name. Returns the manifests and packs that versions need (pruned versions'
-    packs count as needed: freeing them is gc's job) and whether that answer is complete (False
-    when a record has no intact copy anywhere: then nothing may be called unreferenced)."""
+    every manifest they name; returns what the versions need."""
     cat = store.catalog
-    manifests_needed: set[str] = set()
-    packs_needed: set[str] = set()
-    sure = True
+    needs = Needs()
     ids: dict[str, None] = {}
     for tier in store.tiers:
         ids.update(dict.fromkeys(tier.iter_ids("versions", "json")))
@@ -293,7 +326,7 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[se
         elif indexed is not None:
             good = good if good is not None else indexed  # the catalog's copy verifies: it is an intact copy
         if not _mend(store, rep, repair, f"version record {vid[:12]}", vid, good, bad):
-            sure = False
+            needs.sure = False
             continue
         assert good is not None
         if indexed is not None and not any(t.record_path(vid).exists() for t in store.tiers):
@@ -313,8 +346,9 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[se
             if mbad:
                 _mend(store, rep, repair, f"manifest {mid[:12]} of version {vid[:12]}", vid, mgood, mbad)
             if mgood is None:
-                if mbad:
-                    sure = False  # what the damaged manifest names is unknown: no pack may be called unused
+                # Damaged, missing or in quarantine/: what it names is unknown, so no pack may be called unused
+                # (the pack of a version whose manifest is put back from a backup must still be there).
+                needs.sure = False
                 if not pruned:
                     complete = False
                     if not mbad:
@@ -325,15 +359,17 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[se
             except (DataStatesError, ValueError) as exc:
                 rep.problems.append(f"version {vid[:12]}: manifest {mid[:12]}: {exc}")
                 complete = False
+                needs.sure = False
                 continue
             for r in m.rows:
+                needs.chunks.update(r["chunks"])
                 for cid, loc in zip(r["chunks"], cat.chunks(r["chunks"])):
                     if loc is not None:
-                        packs_needed.add(loc.pack)
+                        needs.packs.setdefault(loc.pack, set()).add(vid)
                     elif not pruned:
                         complete = False
                         rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()[:16]} of {r['key']!r} is missing")
-        manifests_needed.update(mids)
+        needs.manifests.update(mids)
         marked = cat.extra(vid).get("damaged") if indexed is not None else None
         if marked and complete:
             if repair:  # the quarantined file was put back intact (from a backup): the version loads again
@@ -358,13 +394,25 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> tuple[se
                                             f"{moved.relative_to(t.root)}")
             else:
                 rep.problems.append(f"version {vid[:12]} has a record but is not in the catalog")
-    return manifests_needed, packs_needed, sure
+    return needs
 
 
 def _check_annotations(store: Repository, rep: FsckReport, repair: bool) -> None:
     """Verify every annotation file of every tier; with repair, rewrite a damaged one from the
-    catalog's copy (the live one) or from another tier's intact copy, else move it to quarantine/."""
+    catalog's copy (the live one) or from another tier's intact copy, else move it to quarantine/. Annotations
+    the catalog holds whose file is gone from every tier are written back from the catalog (a catalog rebuilt
+    from the files would otherwise lose them)."""
     cat = store.catalog
+    for vid, values in cat.all_annotations().items():
+        if values and not any(t.annotation_path(vid).exists() for t in store.tiers):
+            where = f"annotations of version {vid[:12]}"
+            if repair:
+                write_new(store.tier.annotation_path(vid), encode_annotations(values))
+                rep.repaired.append(f"rewrote the missing file of the {where} on tier {store.tier.name} from the "
+                                    "catalog's copy")
+            else:
+                rep.problems.append(f"the file of the {where} is gone from every tier (the catalog still holds "
+                                    "them; `datastates fsck --repair` writes it back)")
     for t in store.tiers:
         for vid in list(t.iter_ids("annotations", "json")):
             rep.checked["annotations"] = rep.checked.get("annotations", 0) + 1
@@ -394,18 +442,55 @@ def _check_annotations(store: Repository, rep: FsckReport, repair: bool) -> None
                 rep.problems.append(f"{where} had no intact copy; it is in quarantine/")
 
 
-def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[str], manifests_needed: set[str],
-                   packs_needed: set[str]) -> None:
+def _check_missing_packs(store: Repository, rep: FsckReport, repair: bool, live: set[str], needs: Needs) -> None:
+    """A pack the catalog indexes whose file is gone from every tier. Its entries are kept while a version
+    needs it: dropping them would make fsck say ok for versions that lost their tensors, and a pack put back
+    from a backup would no longer be found. Only a pack no version needs is forgotten."""
+    cat = store.catalog
+    for pack in cat.packs():
+        if pack in live or any(t.pack_path(pack).exists() for t in store.tiers):
+            continue
+        users = needs.packs.get(pack)
+        if users:
+            shown_ids = ", ".join(sorted(v[:12] for v in users)[:10]) + (", ..." if len(users) > 10 else "")
+            rep.problems.append(
+                f"pack {pack} is missing from every tier and {len(users)} version(s) need its chunks "
+                f"({shown_ids}): loading them fails until the file is put back into packs/ from a backup "
+                "(then `datastates fsck` checks it); repair cannot restore it")
+        elif repair:
+            cat.drop_pack(pack)
+            rep.repaired.append(f"dropped catalog entries of missing pack {pack} (no version needs it)")
+        else:
+            rep.problems.append(f"catalog indexes pack {pack} but its file is gone (no version needs it)")
+
+
+def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[str], needs: Needs) -> None:
     tier, cat = store.tier, store.catalog
     for mid in list(tier.iter_ids("manifests", "arrow")):
-        if mid not in manifests_needed:
+        if mid not in needs.manifests:
             path = tier.manifest_path(mid)
             if repair:
                 _orphan(rep, repair, path, f"manifest {mid[:12]} named by no version", tier.root)
             else:  # debris of a save that failed or was interrupted, not damage: no version lacks anything
                 rep.notes.append(f"manifest {mid[:12]} is named by no version (leftover of a failed or interrupted "
                                  f"save): {path.relative_to(tier.root)}; `datastates fsck --repair` removes it")
-    for pack in sorted(live - packs_needed):
+    for pack in sorted(live - set(needs.packs)):
+        idx = _index(tier.pack_path(pack))
+        if idx is None:
+            continue  # damaged: _check_packs reported it; never removed
+        held = [(cid, loc) for cid, loc in idx if cid in needs.chunks and cat.chunk(cid) is None]
+        if held:
+            # Versions name chunks only this pack holds, which the catalog lost (a pack restored from a backup
+            # after a repair forgot it): index them again; deleting the pack would lose them for good.
+            if repair:
+                path = tier.pack_path(pack)
+                cat.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": tier.name}, idx)
+                rep.repaired.append(f"indexed pack {pack} again: it holds {len(held)} chunk(s) versions need that "
+                                    "the catalog had lost")
+            else:
+                rep.problems.append(f"pack {pack} holds {len(held)} chunk(s) versions need that the catalog does not "
+                                    "index; `datastates fsck --repair` indexes them")
+            continue
         if _duplicates_only(store, pack):
             # Two writers stored the same new chunk; the catalog uses the other copy. Dead weight, not
             # damage: gc deletes it.
@@ -415,19 +500,18 @@ def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[s
         if repair:
             cat.drop_pack(pack)
         _orphan(rep, repair, tier.pack_path(pack), f"pack {pack} holds no chunk a version needs", tier.root)
-    for pack in cat.packs():
-        if pack not in live and not any(t.pack_path(pack).exists() for t in store.tiers):
-            if repair:
-                cat.drop_pack(pack)
-                rep.repaired.append(f"dropped catalog entries of missing pack {pack}")
-            else:
-                rep.problems.append(f"catalog indexes pack {pack} but its file is gone")
+
+
+def _index(path: Path) -> list[tuple[bytes, Any]] | None:
+    try:
+        return list(read_index(path))
+    except (IntegrityError, OSError):
+        return None
 
 
 def _duplicates_only(store: Repository, pack: str) -> bool:
-    try:
-        idx = read_index(store.tier.pack_path(pack))
-    except (IntegrityError, OSError):
+    idx = _index(store.tier.pack_path(pack))
+    if idx is None:
         return False
     locs = store.catalog.chunks([cid for cid, _ in idx])
     return bool(idx) and all(loc is not None and loc.pack != pack for loc in locs)

@@ -81,6 +81,10 @@ class RefStore:
         """True on a tier shared by several hosts: lock with O_EXCL lock files, not flock."""
         self._lock_path = root / "locks" / "refs.lock"
 
+    def path_of(self, kind: Kind, name: str) -> Path:
+        """The file of ref `name` of `kind` (fsck moves a damaged one aside)."""
+        return self._path(kind, name)
+
     def _path(self, kind: Kind, name: str) -> Path:
         return self.root / "refs" / _DIRS[kind] / _encode(name)
 
@@ -223,15 +227,16 @@ class RefStore:
         return out
 
 
-def parse_ref(raw: bytes) -> tuple[str | None, str]:
-    """(id, "") for the bytes of a valid ref file (id None for an empty one, a ref being deleted),
-    else (None, why it is damaged)."""
+def parse_ref(raw: bytes) -> tuple[str, str] | tuple[None, str]:
+    """(id, "") for the bytes of a valid ref file, else (None, why it is damaged). An empty file is damage:
+    a ref file is written whole (`replace`) and a deleted ref has no file; read as 'no ref', a truncated
+    tag vanished from every listing and fsck said ok."""
     try:
         text = raw.decode("ascii").strip()
     except UnicodeDecodeError:
         return None, "is not text (a damaged byte)"
     if not text:
-        return None, ""
+        return None, "is empty (truncated)"
     if not HEX_ID.match(text):
         return None, "does not hold a 64-hex-digit version id"
     return text, ""
