@@ -24,6 +24,7 @@ import pyarrow as pa
 from .errors import InvalidArgumentError, NotFoundError
 from .maintenance.retention import register_protector
 from .meta import leases
+from .meta.versions import shown
 
 if TYPE_CHECKING:
     from .meta.versions import Version
@@ -78,6 +79,9 @@ class Population:
             raise InvalidArgumentError(f"a population needs at least 2 members, not {size}")
         self.store, self.name, self.metric, self.mode, self.fraction = store, name, metric, mode, fraction
         self.rng = random.Random(seed)
+        if isinstance(hparams, list) and len(hparams) != size:
+            raise InvalidArgumentError(f"hparams is a list of {len(hparams)} dicts for a population of {size}; "
+                                       "give one per member, or one dict for all")
         per = hparams if isinstance(hparams, list) else [dict(hparams or {}) for _ in range(size)]
         self.members = [Member(self, i, dict(per[i])) for i in range(size)]
         for m in self.members:  # a restarted population continues from what its branches hold
@@ -143,13 +147,23 @@ class Population:
         if hparams:
             new.update(hparams)
         for key, factors in (perturb or {}).items():
-            new[key] = old[key] * self.rng.choice(factors)
-        member.hparams = new
+            value = new.get(key)
+            if key not in new or isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise InvalidArgumentError(
+                    f"perturb names hparam {key!r}, which {member.branch} "
+                    + ("does not have" if key not in new else f"holds as {shown(value)}, not a number")
+                    + f"; its hparams: {', '.join(sorted(map(str, new))) or 'none'}")
+            if not factors or not all(isinstance(f, (int, float)) and not isinstance(f, bool) for f in factors):
+                raise InvalidArgumentError(f"perturb[{key!r}] = {shown(factors)}: give a tuple of numbers to "
+                                           "multiply by, e.g. (0.8, 1.2)")
+            new[key] = value * self.rng.choice(factors)
         changed = {k for k in set(old) | set(new) if old.get(k) != new.get(k)}
-        return self.store.fork(head, branch=member.branch, hparams=new,
-                               explore={"old": {k: old.get(k) for k in sorted(changed)},
-                                        "new": {k: new.get(k) for k in sorted(changed)}},
-                               message=f"explore: {', '.join(sorted(changed))}")
+        v = self.store.fork(head, branch=member.branch, hparams=new,
+                            explore={"old": {k: old.get(k) for k in sorted(changed)},
+                                     "new": {k: new.get(k) for k in sorted(changed)}},
+                            message=f"explore: {', '.join(sorted(changed))}")
+        member.hparams = new  # only once saved: a refused explore leaves the member as it was
+        return v
 
     def family_tree(self) -> pa.Table:
         """Edges of the population's lineage (`family_tree(store, name)`)."""

@@ -64,6 +64,27 @@ def test_explore_records_old_and_new_hparams(tmp_path: Path) -> None:
     store.close()
 
 
+def test_a_refused_explore_or_population_is_typed_and_changes_nothing(tmp_path: Path) -> None:
+    """Perturbing a string hparam raised TypeError, a missing one KeyError (after the member's hparams had
+    changed), and a hparams list shorter than the population IndexError."""
+    with ds.Store.open(tmp_path / "s") as store:
+        pop = Population(store, "sw", size=2, hparams=[{"lr": 0.1, "opt": "adam"}, {"lr": 0.2, "opt": "sgd"}])
+        for m in pop.members:
+            m.save({"w": torch.ones(1)}, metrics={"score": float(m.index)}, step=1)
+        m0 = pop.members[0]
+        versions = store.versions_table().num_rows
+        for perturb, words in (({"opt": (0.8, 1.2)}, "holds as 'adam', not a number"),
+                               ({"momentum": (0.8,)}, "does not have; its hparams: lr, opt"),
+                               ({"lr": ()}, "give a tuple of numbers")):
+            with pytest.raises(ds.InvalidArgumentError, match=re.escape(words)):
+                pop.explore(m0, {"lr": 0.5}, perturb=perturb)
+            assert m0.hparams == {"lr": 0.1, "opt": "adam"} and store.versions_table().num_rows == versions
+        with pytest.raises(ds.InvalidArgumentError, match="a list of 1 dicts for a population of 3"):
+            Population(store, "sw2", size=3, hparams=[{"lr": 1}])
+        assert not (store.path / "leases" / "pbt-sw2.json").exists()
+        pop.close()
+
+
 def test_family_tree_and_replay(tmp_path: Path) -> None:
     store, pop = _run(tmp_path)
     tree = pop.family_tree().to_pylist()
