@@ -144,6 +144,14 @@ def test_export_then_import_round_trips_bit_exact(tmp_path: Path, fmt: str) -> N
                 assert rep.versions[0].manifests == v.manifests
         with pytest.raises(ds.InvalidArgumentError, match="exists"):
             ds.export(store, v, fmt, out)
+        empty = tmp_path / "empty"
+        empty.mkdir()
+        if fmt == "dcp":  # a DCP checkpoint is a directory: an empty one takes it
+            assert ds.export(store, v, fmt, empty) == empty
+        else:  # safetensors' own SafetensorError (untyped) came from writing a file over a directory
+            with pytest.raises(ds.InvalidArgumentError, match="exists; give a new path"):
+                ds.export(store, v, fmt, empty)
+            assert not list(empty.iterdir())
 
 
 def test_cli_import_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

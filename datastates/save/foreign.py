@@ -176,11 +176,13 @@ def tensors_by_key(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 def write(state: Any, fmt: str, out: str | os.PathLike[str], *, version: str) -> Path:
     """Write `state` as `fmt` at `out` (a file for safetensors and torch, a directory for dcp). Raises
-    InvalidArgumentError for an unknown format or an existing target."""
+    InvalidArgumentError for an unknown format or an existing target (a file, or a directory that is not an
+    empty one for dcp)."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     target = Path(out)
-    if target.exists() and (target.is_file() or any(target.iterdir())):
+    if target.exists() and (not target.is_dir() or any(target.iterdir()) or fmt != "dcp"):
+        # (an empty directory only takes a dcp checkpoint, which is a directory; the others are files)
         raise InvalidArgumentError(f"{target} exists; give a new path (nothing is overwritten)")
     target.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
