@@ -504,6 +504,27 @@ def test_a_ref_to_no_version_is_moved_aside_and_lost_annotation_files_are_writte
         s.close()
 
 
+def test_a_record_lost_for_good_keeps_fsck_from_saying_ok(tmp_path: Path) -> None:
+    """With no intact copy anywhere (the catalog rebuilt without it), a damaged record went to quarantine/ and
+    the next fsck said ok over the remaining versions, while `log` failed on the missing parent."""
+    cold, hot, ids = make(tmp_path, False)
+    flip(cold / "versions" / ids[1][:2] / f"{ids[1]}.json")
+    s = open_store(cold, hot)
+    try:
+        s.fsck(rebuild=True)  # the catalog's copy was the last intact one
+        s.fsck(repair=True)
+        assert list((cold / "quarantine" / "versions").rglob(f"{ids[1]}.json.*"))
+        for _ in range(2):
+            rep = s.fsck()
+            assert not rep.ok and any(f"version {ids[2][:12]} names parent {ids[1][:12]}, whose record" in p
+                                      for p in rep.problems)
+        with pytest.raises(ds.NotFoundError, match="`datastates fsck` says which"):
+            s.log()
+        assert torch.equal(s.load(ids[2])["w"], states(3)[2]["w"])  # the others still load
+    finally:
+        s.close()
+
+
 # 4. a failed save leaves nothing -----------------------------------------------------------------
 
 @pytest.fixture

@@ -337,6 +337,13 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
             else:
                 rep.problems.append(f"catalog lists version {vid[:12]} but its record file is gone from every tier")
         rec, _ = readable(json.loads(good))
+        for parent in rec.get("parents", []):
+            if isinstance(parent, str) and parent not in ids:
+                # Its record is lost or in quarantine/ (no intact copy anywhere): the lineage walks (`log`)
+                # stop here, and no repair can bring it back; say so on every run, not only the first.
+                rep.problems.append(f"version {vid[:12]} names parent {parent[:12]}, whose record no tier or "
+                                    "catalog holds (lost, or in quarantine/ with no intact copy): put an intact "
+                                    f"copy back at versions/{parent[:2]}/{parent}.json from a backup")
         pruned = bool(cat.extra(vid).get("pruned")) or any(
             t.record_path(vid).with_suffix(".pruned").exists() for t in store.tiers)
         complete = True

@@ -29,7 +29,9 @@ class CatalogGraph:
         if node is None:
             data = self.catalog.record(vid)
             if data is None:
-                raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
+                raise NotFoundError(f"version {vid[:12]} is not in the catalog (a parent whose record is lost, or "
+                                    "one not indexed yet); `datastates fsck` says which, and `datastates fsck "
+                                    "--repair` indexes a record file that is there")
             rec = json.loads(data)
             node = (tuple(rec.get("parents", ())), float(rec.get("created", 0.0)))
         self._nodes[vid] = node
