@@ -43,6 +43,19 @@ def test_save_lands_on_hot_then_flushes_to_cold(tmp_path: Path) -> None:
     assert "hot = " in (tmp_path / "cold" / "config.toml").read_text()
 
 
+def test_close_copies_every_pending_version_to_cold(tmp_path: Path) -> None:
+    """close() drains the flush backlog: the flusher read the versions through a store already marked closed,
+    which raised StoreClosedError once reads checked it, and the last version never reached cold."""
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    vs = [s.save({"w": torch.full((1 << 16,), float(i))}, step=i) for i in range(3)]
+    s.close()  # no flush() first: close alone must leave cold whole
+    assert all((tmp_path / "cold" / "versions" / v.id[:2] / f"{v.id}.json").exists() for v in vs)
+    assert (tmp_path / "cold" / "refs" / "heads" / "main").read_text().strip() == vs[-1].id
+    with ds.Store.open(tmp_path / "cold", hot=tmp_path / "new-node") as fresh:
+        assert [v.id for v in fresh.log("main")] == [v.id for v in reversed(vs)]
+        assert float(fresh.load("main")["w"][0]) == 2.0
+
+
 def test_eviction_keeps_hot_under_capacity_and_reads_fall_back_to_cold(tmp_path: Path) -> None:
     s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot", hot_capacity=3 * MiB, promote=False)
     vs = []

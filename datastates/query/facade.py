@@ -49,7 +49,7 @@ class Queries:
     def versions_table(self) -> Any:
         """Every version as a pyarrow Table: fixed fields plus hparams.*, metrics.*, annotations.* columns.
         Raises StoreClosedError."""
-        self.repo.check_open()
+        self.repo.check_readable()
         key = (self.repo.catalog.generation(), tuple(sorted(self.repo.tags().items())))
         if self._table is None or self._table[0] != key:
             self._table = (key, table.build(self.repo))

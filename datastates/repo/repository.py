@@ -67,6 +67,9 @@ class Repository:
         self.cold_refs = None if objects.cold is None else RefStore(objects.cold.root, shared=True)
         """The shared tier's refs (None without tiers)."""
         self.closed = False
+        """Set when closing starts: no new call is taken (saves in flight and the flusher still finish)."""
+        self.released = False
+        """Set once the files and the catalog are let go: nothing can be read any more."""
         self.owner: Any = None
         """The object users hold for this repository (the Store), handed to retention protectors."""
         self._manifests: dict[str, Manifest] = {}
@@ -107,7 +110,13 @@ class Repository:
         return RefStore(tier.root, shared=tier.shared)
 
     def check_open(self) -> None:
+        """StoreClosedError once closing has started (for the calls that begin something)."""
         if self.closed:
+            raise StoreClosedError(f"store {self.path} is closed; open it again with Store.open")
+
+    def check_readable(self) -> None:
+        """StoreClosedError once the catalog is let go (for reads: the drain of a closing store still reads)."""
+        if self.released:
             raise StoreClosedError(f"store {self.path} is closed; open it again with Store.open")
 
     # refs -------------------------------------------------------------------------------
@@ -116,7 +125,7 @@ class Repository:
 
         Raises StoreClosedError, NotFoundError, AmbiguousRefError.
         """
-        self.check_open()  # every read names a version first: after close() the catalog is gone (lmdb.Error)
+        self.check_readable()  # every read names a version first: after close() the catalog is gone (lmdb.Error)
         if isinstance(ref, Version):
             return ref.id
         if isinstance(ref, SaveHandle):
@@ -169,11 +178,11 @@ class Repository:
         )
 
     def branches(self) -> dict[str, str]:
-        self.check_open()
+        self.check_readable()
         return self.refs.names("branch")
 
     def tags(self) -> dict[str, str]:
-        self.check_open()
+        self.check_readable()
         return self.refs.names("tag")
 
     def create_branch(self, name: str, at: Any = "main", *, force: bool = False) -> str:
@@ -369,7 +378,7 @@ class Repository:
 
     def du(self) -> dict[str, int]:
         """Bytes as the versions see them (total) against bytes actually stored (unique)."""
-        self.check_open()
+        self.check_readable()
         total = sum(readable(json.loads(rec))[0]["bytes_total"] for _, rec in self.catalog.records())
         unique = sum(loc.raw_length for _, loc in self.catalog.iter_chunks())
         packs = list((self.path / "packs").glob("*.pack"))
@@ -377,7 +386,7 @@ class Repository:
                 "bytes_on_disk": sum(p.stat().st_size for p in packs), "packs": len(packs)}
 
     def close(self) -> None:
-        self.closed = True
+        self.closed = self.released = True
         self.objects.close()
         self.catalog.close()
 
