@@ -71,8 +71,8 @@ class Observe:
         # HEAD is answered as GET without the body (RFC 9110 9.3.2): the same status and headers, and the
         # handler stops at its first body message, so a download reads no more than its first chunk.
         head = scope.get("method") == "HEAD"
-        if head:
-            scope["method"] = "GET"
+        if head:  # a copy: the server reads its own scope's method to know it must send no body (httptools)
+            scope = dict(scope, method="GET")
 
         async def send_wrapper(message: Message) -> None:
             nonlocal status, response_started

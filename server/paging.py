@@ -34,8 +34,9 @@ def encode_token(data: dict[str, Any]) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
 
 
-SCALAR = (str, int, float, type(None))
-"""What a sort key in a versions token may be (a column's value; never a list or an object)."""
+SCALAR = (str, int, float, bool, type(None))
+"""What a sort key in a versions token may be (a column's value, a bool column's too; never a list or an
+object)."""
 
 
 def decode_token(token: str, kind: str, **fields: type | tuple[type, ...]) -> dict[str, Any]:

@@ -157,6 +157,45 @@ def test_head_answers_as_get_without_a_body(client: httpx.Client, path: str) -> 
         assert head.headers.get(name) == got.headers.get(name)
 
 
+def test_head_leaves_the_servers_own_scope_alone() -> None:
+    """The middleware turned HEAD into GET in the server's scope dict; uvicorn's httptools protocol reads that
+    method to know it must send no body, so every HEAD ended in 'Response content shorter than Content-Length'
+    and broke its keep-alive connection (h11, used here, copes)."""
+    import asyncio
+
+    from server.metrics import Metrics
+    from server.middleware import Observe
+
+    seen: dict[str, str] = {}
+    sent: list[dict[str, object]] = []
+
+    async def app(scope: dict[str, object], receive: object, send: object) -> None:
+        seen["method"] = str(scope["method"])
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, object]:
+        return {"type": "http.request", "body": b""}
+
+    scope: dict[str, object] = {"type": "http", "method": "HEAD", "path": "/x", "headers": []}
+    asyncio.run(Observe(app, Metrics())(scope, receive, send))  # type: ignore[arg-type]
+    assert scope["method"] == "HEAD" and seen["method"] == "GET"
+    assert [m["body"] for m in sent if m["type"] == "http.response.body"] == [b""]
+
+
+def test_versions_pages_in_the_order_of_a_bool_column(client: httpx.Client) -> None:
+    """A page token holding a bool sort key was refused as damaged (page 2 of order_by=pruned was a 400)."""
+    first = client.get("/versions", params={"order_by": "pruned", "limit": 2}).json()
+    rest = client.get("/versions", params={"order_by": "pruned", "limit": 1000,
+                                           "page_token": first["next_page_token"]})
+    assert rest.status_code == 200
+    ids = [v["id"] for v in first["items"] + rest.json()["items"]]
+    assert len(ids) == len(set(ids)) == len(client.get("/versions", params={"limit": 1000}).json()["items"])
+
+
 def test_a_range_with_a_digit_int_cannot_read_is_ignored() -> None:
     from server.tensorio import parse_range
 
