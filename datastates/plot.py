@@ -492,12 +492,15 @@ def lineage_data(store: Store, refs: Any = None, *, population: Population | str
     metric any version has; `metrics.NAME` is read as NAME). Raises NotFoundError (a ref; a metric no drawn
     version has), InvalidArgumentError (both refs and population)."""
     store = _as_store(store)
+    asked = metric
     if refs is not None and population is not None:
         raise InvalidArgumentError("give lineage either refs or population, not both")
     table = store.versions_table()
     all_ids: list[str] = table.column("id").to_pylist()
     if population is not None:
         name = population if isinstance(population, str) else population.name
+        # The population's own metric may be in no version yet (scores come later, or as annotations): it
+        # only colors; a metric the caller names (`asked`) is checked below.
         metric = metric or (None if isinstance(population, str) else population.metric)
         branch_col = table.column("branch").to_pylist()
         seeds = [vid for vid, br in zip(all_ids, branch_col) if br is not None and br.startswith(f"{name}/")]
@@ -539,7 +542,7 @@ def lineage_data(store: Store, refs: Any = None, *, population: Population | str
             edges.append((index[v.fork_of], i, "fork"))
     if metric is None:
         metric = next((k for v in records.values() for k in sorted(v.metrics)), None)
-    else:
+    elif metric == asked:
         metric = _drawn_metric(metric, records.values())
     values = np.array([_number(records[vid].metrics.get(metric)) if metric else math.nan for vid in ids])
     labels: dict[int, list[str]] = {}

@@ -230,6 +230,12 @@ def test_lineage_of_a_population_shows_exploits_as_fork_edges(tmp_path: Path) ->
         assert data.metric_name == "score"
         with pytest.raises(ds.NotFoundError, match="population 'nope'"):
             plot.lineage(store, population="nope")
+        # The population's own metric in no version yet (reported later, or as annotations) only colors nothing;
+        # the check of a metric the caller types refused the plot.
+        later = Population(store, "pop", size=4, metric="val_score")
+        data = plot.lineage_data(store, population=later)
+        assert data.metric_name == "val_score" and all(math.isnan(x) for x in data.metric)
+        later.close()
 
 
 def test_lineage_marks_pruned_versions(tmp_path: Path) -> None:
