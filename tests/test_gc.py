@@ -519,3 +519,27 @@ def test_the_drop_token_changes_exactly_when_chunk_entries_can_leave_the_index(t
         before_clear = cat.chunk_drops()
         cat.clear()
         assert cat.chunk_drops() not in (b"", before_clear)
+
+
+def test_fsck_still_removes_debris_after_prune_and_gc(tmp_path: Path) -> None:
+    """gc deletes pruned versions' manifests by design; fsck took each as 'no intact copy', so it kept the debris
+    of interrupted saves on every store that had ever been collected, with a note saying what it needed was
+    unknown."""
+    with Store.open(tmp_path / "store") as s:
+        for i in range(4):
+            s.save({"w": torch.full((1000,), float(i))}, step=i)
+        s.prune(KeepLatest(1))
+        s.gc()
+        with Store.open(tmp_path / "other") as o:  # a save's pack and manifest, as if its record never came
+            o.save({"x": torch.arange(5000.0)})
+        debris = []
+        for sub in ("packs", "manifests"):
+            for p in (tmp_path / "other" / sub).rglob("*.*"):
+                q = tmp_path / "store" / p.relative_to(tmp_path / "other")
+                q.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(p, q)
+                debris.append(q)
+        rep = s.fsck(repair=True)
+        assert rep.problems == [] and rep.notes == [] and len(rep.repaired) == 2
+        assert not any(p.exists() for p in debris) and s.fsck().ok
+        assert float(s.load("main")["w"][0]) == 3.0

@@ -474,6 +474,26 @@ def test_a_lost_pack_is_reported_with_its_versions_and_found_again_when_put_back
     assert all(loads(cold, hot, ids).values())
 
 
+def test_a_pack_on_an_unreachable_cold_tier_only_is_not_called_lost(tmp_path: Path) -> None:
+    """An evicted pack (on cold only) with cold unmounted was reported lost, with advice to restore it from a
+    backup; it is a note until cold can be read again."""
+    cold, hot, ids = make(tmp_path, True)
+    assert hot is not None
+    evicted = max((hot / "packs").glob("*.pack"), key=lambda p: p.stat().st_size)
+    evicted.unlink()  # as eviction leaves it: the copy is on cold
+    cold.rename(tmp_path / "unmounted")
+    s = open_store(cold, hot)
+    try:
+        for repair in (False, True):
+            rep = s.fsck(repair=repair)
+            assert not any("missing from every tier" in p for p in rep.problems)
+            assert any(f"pack {evicted.stem}" in n and "tier cold cannot be read now" in n for n in rep.notes)
+    finally:
+        s.close()
+    (tmp_path / "unmounted").rename(cold)
+    assert all(loads(cold, hot, ids).values())
+
+
 def test_a_ref_to_no_version_is_moved_aside_and_lost_annotation_files_are_written_back(tmp_path: Path) -> None:
     """A branch naming a well-formed id of no version was reported forever (repair left it); an annotation
     file deleted went unnoticed, then a catalog rebuild lost the annotations."""
@@ -523,6 +543,32 @@ def test_a_record_lost_for_good_keeps_fsck_from_saying_ok(tmp_path: Path) -> Non
         assert torch.equal(s.load(ids[2])["w"], states(3)[2]["w"])  # the others still load
     finally:
         s.close()
+
+
+def test_what_cold_lacks_of_a_flushed_version_is_reported_and_copied_back_from_hot(tmp_path: Path) -> None:
+    """fsck never looked at whether cold held what the catalog said was flushed: a pack and a manifest deleted
+    from cold passed as ok, and once the hot tier was lost so were the versions."""
+    cold, hot, ids = make(tmp_path, True)
+    assert hot is not None
+    pack = max((cold / "packs").glob("*.pack"), key=lambda p: p.stat().st_size)
+    pack.unlink()
+    man = files(cold, "manifests")[0]
+    man.unlink()
+    rec = files(cold, "versions")[0]
+    rec.unlink()
+    s = open_store(cold, hot)
+    try:
+        rep = s.fsck()
+        missing = [p for p in rep.problems if "is missing from tier cold, which the catalog says holds it" in p]
+        assert len(missing) == 3 and not rep.ok
+        assert any(f"pack {pack.stem}" in p for p in missing) and all("copies it from hot" in p for p in missing)
+        rep = s.fsck(repair=True)
+        assert len([line for line in rep.repaired if "on tier cold from" in line]) == 3
+        assert pack.exists() and man.exists() and rec.exists() and s.fsck().ok
+    finally:
+        s.close()
+    shutil.rmtree(hot)  # the node is gone: cold alone holds every version
+    assert all(loads(cold, tmp_path / "fresh-hot", ids).values())
 
 
 # 4. a failed save leaves nothing -----------------------------------------------------------------

@@ -132,6 +132,7 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
         live_packs = _check_packs(store, rep, repair)
         needs = _check_records(store, rep, repair)
         _check_missing_packs(store, rep, repair, live_packs, needs)
+        _check_cold_copies(store, rep, repair, live_packs, needs)
         if needs.sure:
             _check_orphans(store, rep, repair, live_packs, needs)
         else:
@@ -151,7 +152,7 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
                         rep.problems.append(f"{kind} {name!r}: ref file {path} on tier {t.name} {why}")
                 for name, vid in refs.names(kind).items():  # type: ignore[arg-type]
                     rep.checked["refs"] = rep.checked.get("refs", 0) + 1
-                    if t is not tier or cat.raw_record(vid) is not None or any(
+                    if cat.raw_record(vid) is not None or any(
                             u.read_record(vid) is not None for u in store.tiers):
                         continue
                     # A well-formed id of no version (a flipped hex digit): as damaged as a garbage file, and
@@ -300,6 +301,8 @@ class Needs:
     manifests: set[str] = field(default_factory=set)
     packs: dict[str, set[str]] = field(default_factory=dict)
     chunks: set[bytes] = field(default_factory=set)
+    flushed_chunks: set[bytes] = field(default_factory=set)
+    """The chunks of versions the catalog marks as flushed to cold (which cold must hold)."""
     sure: bool = True
 
 
@@ -354,8 +357,10 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
                 _mend(store, rep, repair, f"manifest {mid[:12]} of version {vid[:12]}", vid, mgood, mbad)
             if mgood is None:
                 # Damaged, missing or in quarantine/: what it names is unknown, so no pack may be called unused
-                # (the pack of a version whose manifest is put back from a backup must still be there).
-                needs.sure = False
+                # (the pack of a version whose manifest is put back from a backup must still be there). A pruned
+                # version's manifest may be gone: gc frees what pruned versions held.
+                if indexed is not None and (not pruned or mbad):  # (never committed: debris, see below)
+                    needs.sure = False
                 if not pruned:
                     complete = False
                     if not mbad:
@@ -368,8 +373,12 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
                 complete = False
                 needs.sure = False
                 continue
+            on_cold = store.cold is not None and indexed is not None and cat.extra(vid).get("cold")
             for r in m.rows:
-                needs.chunks.update(r["chunks"])
+                if indexed is not None:  # (a record no catalog names is a save that never committed: debris)
+                    needs.chunks.update(r["chunks"])
+                if on_cold and not pruned:
+                    needs.flushed_chunks.update(r["chunks"])
                 for cid, loc in zip(r["chunks"], cat.chunks(r["chunks"])):
                     if loc is not None:
                         needs.packs.setdefault(loc.pack, set()).add(vid)
@@ -454,10 +463,16 @@ def _check_missing_packs(store: Repository, rep: FsckReport, repair: bool, live:
     needs it: dropping them would make fsck say ok for versions that lost their tensors, and a pack put back
     from a backup would no longer be found. Only a pack no version needs is forgotten."""
     cat = store.catalog
+    away = [t.name for t in store.tiers if not (t.root / "FORMAT").exists()]  # unreachable now (a cold mount)
     for pack in cat.packs():
         if pack in live or any(t.pack_path(pack).exists() for t in store.tiers):
             continue
         users = needs.packs.get(pack)
+        if away:  # an evicted pack is on cold only: nothing is known lost until every tier can be read
+            if users:
+                rep.notes.append(f"pack {pack} ({len(users)} version(s) need it) is on no reachable tier; tier "
+                                 f"{', '.join(away)} cannot be read now: run `datastates fsck` again once it is back")
+            continue
         if users:
             shown_ids = ", ".join(sorted(v[:12] for v in users)[:10]) + (", ..." if len(users) > 10 else "")
             rep.problems.append(
@@ -469,6 +484,50 @@ def _check_missing_packs(store: Repository, rep: FsckReport, repair: bool, live:
             rep.repaired.append(f"dropped catalog entries of missing pack {pack} (no version needs it)")
         else:
             rep.problems.append(f"catalog indexes pack {pack} but its file is gone (no version needs it)")
+
+
+def _check_cold_copies(store: Repository, rep: FsckReport, repair: bool, live: set[str], needs: Needs) -> None:
+    """Every version the catalog marks flushed must have its record, manifests and packs on cold: cold is what
+    a restart without this node's hot tier reads. One missing there is copied back from hot (its record from
+    the catalog's verified copy) with repair; missing from both, it is reported."""
+    cold, cat = store.cold, store.catalog
+    if cold is None or not (cold.root / "FORMAT").exists():
+        return  # one tier, or cold unreachable now (the flusher catches up when it is back)
+    flushed = {vid for vid, _ in cat.raw_records() if cat.extra(vid).get("cold")}
+    wanted: list[tuple[str, Path, Path | bytes | None]] = []  # (what, cold path, source)
+    for vid in sorted(flushed):
+        rec = cat.record(vid)
+        wanted.append((f"record of version {vid[:12]}", cold.record_path(vid), rec))
+        if cat.extra(vid).get("pruned"):
+            continue  # its manifests and packs are gc's to free, on cold too
+        for mid in (json.loads(rec).get("manifests", {}).values() if rec is not None else ()):
+            if isinstance(mid, str):
+                wanted.append((f"manifest {mid[:12]} of version {vid[:12]}", cold.manifest_path(mid),
+                               store.tier.manifest_path(mid)))
+    # Chunks, not packs: the catalog may locate a flushed version's chunk in a newer hot pack (written again
+    # after an eviction) while cold holds it in the pack it was flushed in.
+    on_cold = {cid for path in list_packs(cold.root / "packs") for cid, _ in (_index(path) or ())}
+    lacking: dict[str, int] = {}
+    for loc in cat.chunks(sorted(needs.flushed_chunks - on_cold)):
+        if loc is not None:
+            lacking[loc.pack] = lacking.get(loc.pack, 0) + 1
+    for pack, n in sorted(lacking.items()):
+        wanted.append((f"pack {pack} ({n} chunk(s) of flushed versions)", cold.pack_path(pack),
+                       store.tier.pack_path(pack) if pack in live else None))
+    for what, target, source in wanted:
+        if target.exists():
+            continue
+        from_hot = isinstance(source, Path) and source.exists()
+        if repair and (from_hot or isinstance(source, bytes)):
+            if isinstance(source, Path):
+                copy_file(source, target)
+            else:
+                write_new(target, source)  # type: ignore[arg-type]
+            rep.repaired.append(f"restored the {what} on tier cold from {'hot' if from_hot else 'the catalog'}")
+        else:
+            rep.problems.append(f"the {what} is missing from tier cold, which the catalog says holds it"
+                                + ("; `datastates fsck --repair` copies it from hot" if from_hot
+                                   or isinstance(source, bytes) else "; no other copy"))
 
 
 def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[str], needs: Needs) -> None:
