@@ -301,8 +301,10 @@ class Needs:
     manifests: set[str] = field(default_factory=set)
     packs: dict[str, set[str]] = field(default_factory=dict)
     chunks: set[bytes] = field(default_factory=set)
-    flushed_chunks: set[bytes] = field(default_factory=set)
-    """The chunks of versions the catalog marks as flushed to cold (which cold must hold)."""
+    flushed: dict[str, list[str]] = field(default_factory=dict)
+    """Versions the catalog marks as flushed to cold and no tier marks pruned -> their manifests."""
+    flushed_chunks: dict[str, set[bytes]] = field(default_factory=dict)
+    """The chunks of those versions (which cold must hold once the version is published there)."""
     sure: bool = True
 
 
@@ -311,6 +313,8 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
     every manifest they name; returns what the versions need."""
     cat = store.catalog
     needs = Needs()
+    flush = store.tiering.flush
+    skips_versions = store.cold is not None and (flush.tagged_only or flush.every > 1)
     ids: dict[str, None] = {}
     for tier in store.tiers:
         ids.update(dict.fromkeys(tier.iter_ids("versions", "json")))
@@ -343,10 +347,16 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
         for parent in rec.get("parents", []):
             if isinstance(parent, str) and parent not in ids:
                 # Its record is lost or in quarantine/ (no intact copy anywhere): the lineage walks (`log`)
-                # stop here, and no repair can bring it back; say so on every run, not only the first.
-                rep.problems.append(f"version {vid[:12]} names parent {parent[:12]}, whose record no tier or "
-                                    "catalog holds (lost, or in quarantine/ with no intact copy): put an intact "
-                                    f"copy back at versions/{parent[:2]}/{parent}.json from a backup")
+                # stop here, and no repair can bring it back; say so on every run, not only the first. Unless the
+                # flush policy leaves versions off cold: then it may be on the hot tier of the node that saved it.
+                where = (f"version {vid[:12]} names parent {parent[:12]}, whose record no tier or catalog holds "
+                         f"here")
+                if skips_versions:
+                    rep.notes.append(f"{where}: the flush policy ({store.tiering.flush}) leaves versions off cold, "
+                                     "so it may be on the hot tier of the node that saved it")
+                else:
+                    rep.problems.append(f"{where} (lost, or in quarantine/ with no intact copy): put an intact "
+                                        f"copy back at versions/{parent[:2]}/{parent}.json from a backup")
         pruned = bool(cat.extra(vid).get("pruned")) or any(
             t.record_path(vid).with_suffix(".pruned").exists() for t in store.tiers)
         complete = True
@@ -373,12 +383,14 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
                 complete = False
                 needs.sure = False
                 continue
-            on_cold = store.cold is not None and indexed is not None and cat.extra(vid).get("cold")
+            on_cold = store.cold is not None and indexed is not None and bool(cat.extra(vid).get("cold"))
+            if on_cold and not pruned:
+                needs.flushed.setdefault(vid, []).append(mid)
             for r in m.rows:
                 if indexed is not None:  # (a record no catalog names is a save that never committed: debris)
                     needs.chunks.update(r["chunks"])
                 if on_cold and not pruned:
-                    needs.flushed_chunks.update(r["chunks"])
+                    needs.flushed_chunks.setdefault(vid, set()).update(r["chunks"])
                 for cid, loc in zip(r["chunks"], cat.chunks(r["chunks"])):
                     if loc is not None:
                         needs.packs.setdefault(loc.pack, set()).add(vid)
@@ -473,6 +485,12 @@ def _check_missing_packs(store: Repository, rep: FsckReport, repair: bool, live:
                 rep.notes.append(f"pack {pack} ({len(users)} version(s) need it) is on no reachable tier; tier "
                                  f"{', '.join(away)} cannot be read now: run `datastates fsck` again once it is back")
             continue
+        if users and store.cold is not None and all(_elsewhere(store, v) for v in users):
+            # A collective save's parts live on the hot tiers of the nodes that wrote them until flushed.
+            rep.notes.append(f"pack {pack} is on no tier of this node; the {len(users)} version(s) needing it "
+                             "were saved by several ranks and are not on cold yet, so it may be on another "
+                             "node's hot tier")
+            continue
         if users:
             shown_ids = ", ".join(sorted(v[:12] for v in users)[:10]) + (", ..." if len(users) > 10 else "")
             rep.problems.append(
@@ -486,29 +504,37 @@ def _check_missing_packs(store: Repository, rep: FsckReport, repair: bool, live:
             rep.problems.append(f"catalog indexes pack {pack} but its file is gone (no version needs it)")
 
 
+def _elsewhere(store: Repository, vid: str) -> bool:
+    """Whether version `vid` was saved by several ranks and is not flushed: its packs may be on other nodes."""
+    if store.catalog.extra(vid).get("cold"):
+        return False
+    try:
+        return store.version(vid, annotated=False).world_size > 1
+    except DataStatesError:
+        return False
+
+
 def _check_cold_copies(store: Repository, rep: FsckReport, repair: bool, live: set[str], needs: Needs) -> None:
-    """Every version the catalog marks flushed must have its record, manifests and packs on cold: cold is what
-    a restart without this node's hot tier reads. One missing there is copied back from hot (its record from
-    the catalog's verified copy) with repair; missing from both, it is reported."""
+    """Every version published on cold (its record is there: the flusher writes it last, after the packs and
+    manifests) must have its manifests and chunks there too: cold is what a restart without this node's hot
+    tier reads. One missing is copied back from hot with repair (content-addressed files: publishing nothing),
+    else reported. A version without its record on cold is left alone: it may be a collective save whose other
+    parts are still on their way (rank 0 writes the record last), and writing the record would publish it."""
     cold, cat = store.cold, store.catalog
     if cold is None or not (cold.root / "FORMAT").exists():
         return  # one tier, or cold unreachable now (the flusher catches up when it is back)
-    flushed = {vid for vid, _ in cat.raw_records() if cat.extra(vid).get("cold")}
-    wanted: list[tuple[str, Path, Path | bytes | None]] = []  # (what, cold path, source)
-    for vid in sorted(flushed):
-        rec = cat.record(vid)
-        wanted.append((f"record of version {vid[:12]}", cold.record_path(vid), rec))
-        if cat.extra(vid).get("pruned"):
-            continue  # its manifests and packs are gc's to free, on cold too
-        for mid in (json.loads(rec).get("manifests", {}).values() if rec is not None else ()):
-            if isinstance(mid, str):
-                wanted.append((f"manifest {mid[:12]} of version {vid[:12]}", cold.manifest_path(mid),
-                               store.tier.manifest_path(mid)))
+    published = {vid for vid in needs.flushed if cold.record_path(vid).exists()}
+    wanted: list[tuple[str, Path, Path | None]] = []  # (what, cold path, hot source)
+    for vid in sorted(published):
+        for mid in needs.flushed[vid]:
+            wanted.append((f"manifest {mid[:12]} of version {vid[:12]}", cold.manifest_path(mid),
+                           store.tier.manifest_path(mid)))
     # Chunks, not packs: the catalog may locate a flushed version's chunk in a newer hot pack (written again
     # after an eviction) while cold holds it in the pack it was flushed in.
+    chunks = {cid for vid in published for cid in needs.flushed_chunks.get(vid, ())}
     on_cold = {cid for path in list_packs(cold.root / "packs") for cid, _ in (_index(path) or ())}
     lacking: dict[str, int] = {}
-    for loc in cat.chunks(sorted(needs.flushed_chunks - on_cold)):
+    for loc in cat.chunks(sorted(chunks - on_cold)):
         if loc is not None:
             lacking[loc.pack] = lacking.get(loc.pack, 0) + 1
     for pack, n in sorted(lacking.items()):
@@ -517,17 +543,13 @@ def _check_cold_copies(store: Repository, rep: FsckReport, repair: bool, live: s
     for what, target, source in wanted:
         if target.exists():
             continue
-        from_hot = isinstance(source, Path) and source.exists()
-        if repair and (from_hot or isinstance(source, bytes)):
-            if isinstance(source, Path):
-                copy_file(source, target)
-            else:
-                write_new(target, source)  # type: ignore[arg-type]
-            rep.repaired.append(f"restored the {what} on tier cold from {'hot' if from_hot else 'the catalog'}")
+        if repair and source is not None and source.exists():
+            copy_file(source, target)
+            rep.repaired.append(f"restored the {what} on tier cold from hot")
         else:
-            rep.problems.append(f"the {what} is missing from tier cold, which the catalog says holds it"
-                                + ("; `datastates fsck --repair` copies it from hot" if from_hot
-                                   or isinstance(source, bytes) else "; no other copy"))
+            rep.problems.append(f"the {what} is missing from tier cold, where the version is published"
+                                + ("; `datastates fsck --repair` copies it from hot" if source is not None
+                                   and source.exists() else "; no other copy"))
 
 
 def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[str], needs: Needs) -> None:
