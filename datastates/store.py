@@ -275,8 +275,10 @@ class Store(Queries):
                 self.flusher.stop(drain=True)
         finally:
             atexit.unregister(self._atexit)  # harmless if it was registered with threading instead
-            self._readers.shutdown()
+            # The files first: a load on another thread then fails with StoreClosedError at its next read,
+            # never with the executor's RuntimeError for work submitted after its shutdown.
             self.repo.close()
+            self._readers.shutdown()
         if raise_errors:
             self._raise_pending()
 
@@ -636,19 +638,23 @@ class Store(Queries):
     def prune(self, retention: Any, *, dry_run: bool = False) -> Any:
         """Drop the bytes of versions no policy keeps (records stay; loading them raises PrunedError).
         Tags, branch heads and protected versions (PBT donors) are always kept. See datastates.retention."""
+        self._check_open()
         self.wait()
         return prune(self.repo, retention, dry_run=dry_run)
 
     def gc(self, *, dry_run: bool = False, repack_threshold: float = 0.5, cold_grace_s: float | None = None) -> Any:
         """Delete packs no live version needs and repack sparse ones, on every tier; returns a
         GcReport with bytes freed per tier. See `datastates.maintenance.gc`."""
+        self._check_open()
         self.wait()
         self._evictor.forget()
         return gc(self.repo, dry_run=dry_run, repack_threshold=repack_threshold,
                   cold_grace_s=COLD_GRACE_S if cold_grace_s is None else cold_grace_s)
 
     def fsck(self, *, repair: bool = False, rebuild: bool = False) -> Any:
-        """Verify every chunk, manifest, record and ref; see `datastates.maintenance.fsck`."""
+        """Verify every chunk, manifest, record and ref; see `datastates.maintenance.fsck`.
+        Raises StoreClosedError after `close`."""
+        self._check_open()
         self.wait()
         return fsck(self.repo, repair=repair, rebuild=rebuild)
 

@@ -20,6 +20,7 @@ from helpers.states import snapshot, snapshot_digest
 from torch import nn
 
 import datastates as ds
+from datastates.retention import KeepLatest
 
 
 @pytest.fixture(scope="module")
@@ -256,6 +257,57 @@ def test_every_read_of_a_closed_store_says_it_is_closed(tmp_path: Path) -> None:
     for read in reads:
         with pytest.raises(ds.StoreClosedError, match="is closed; open it again with Store.open"):
             read()
+
+
+def test_maintenance_of_a_closed_store_says_it_is_closed(tmp_path: Path) -> None:
+    """Store.fsck() after close raised lmdb.Error."""
+    s = ds.Store.open(tmp_path / "s")
+    s.save({"w": torch.ones(3)})
+    s.close()
+    for call in (lambda: s.fsck(), lambda: s.fsck(repair=True), lambda: s.gc(), lambda: s.prune(KeepLatest(1))):
+        with pytest.raises(ds.StoreClosedError, match="is closed; open it again with Store.open"):
+            call()
+    assert ds.Store.open(tmp_path / "s").load("main")["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_catalog_read_in_flight_when_its_store_closes_ends_normally(tmp_path: Path) -> None:
+    """A read on another thread racing close() got lmdb.Error ('closed/deleted/dropped object') when the LMDB file
+    was let go under its transaction: now the file goes when the last transaction ends, and a read begun after
+    close raises StoreClosedError."""
+    s = ds.Store.open(tmp_path / "s", chunk_size=1024)
+    s.save({"w": torch.arange(2048, dtype=torch.float32)})  # 8 chunks
+    chunks = s.catalog.iter_chunks()
+    first = next(chunks)  # its transaction is open
+    catalog = s.catalog
+    s.close()
+    assert len([first, *chunks]) == 8
+    with pytest.raises(ds.StoreClosedError, match="is closed"):
+        catalog.chunk(first[0])
+
+
+def test_a_pack_file_in_use_is_not_closed_under_its_read(tmp_path: Path) -> None:
+    """A reader keeps at most max_open files open: the oldest was closed even while another thread read from it,
+    whose read then failed (EBADF) or, with the number handed to the next file opened, read another pack's bytes.
+    The same for a pack forgotten (gc) or a store closed during a read."""
+    from datastates.objects.packs import PackReader
+
+    s = ds.Store.open(tmp_path / "s")
+    a = s.save({"a": torch.full((64,), 1.0)}, branch="a")
+    b = s.save({"b": torch.full((64,), 2.0)}, branch="b")
+    (pa,), (pb,) = s.packs_of(a), s.packs_of(b)
+    s.close()
+    reader = PackReader(tmp_path / "s" / "packs", max_open=1)
+    head = (tmp_path / "s" / "packs" / f"{pa}.pack").read_bytes()[:64]
+    fd = reader._acquire(pa)  # a read of pack a in flight
+    reader._release(reader._acquire(pb))  # opening b evicts a's file
+    reader.forget(pa)
+    reader.close()
+    assert os.pread(fd, 64, 0) == head  # still pack a's file
+    reader._release(fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed once its read ended
+    with pytest.raises(ds.StoreClosedError):
+        reader._acquire(pb)
 
 
 # --------------------------------------------------------------------------- loading into live objects

@@ -20,7 +20,7 @@ import blake3
 import lmdb
 
 from ..base.locks import flocked
-from ..errors import CatalogDamagedError, IntegrityError
+from ..errors import CatalogDamagedError, IntegrityError, StoreClosedError
 from ..objects.chunks import ChunkLocation
 
 _LOC = struct.Struct("<16sQQQB")
@@ -108,6 +108,24 @@ OPEN_LOCK = "open.lock"
 """In the catalog's folder: held while a process checks and opens the LMDB file (`Catalog`)."""
 
 
+class _Transaction:
+    """An LMDB transaction that tells its catalog when it ends (see `Catalog._begin`)."""
+
+    __slots__ = ("_catalog", "_txn")
+
+    def __init__(self, catalog: Catalog, txn: lmdb.Transaction) -> None:
+        self._catalog, self._txn = catalog, txn
+
+    def __enter__(self) -> Any:  # Any, as env.begin() is typed: its callers pass what txn.get returns on
+        return self._txn.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._txn.__exit__(*exc)
+        finally:
+            self._catalog._ended()
+
+
 class Catalog:
     """One process-wide handle per LMDB directory (LMDB forbids opening one twice)."""
 
@@ -134,12 +152,47 @@ class Catalog:
             self._db = _DB_HANDLES[key]
         self._key = key
         self.env = env
+        self._in_flight = 0
+        self._closed = False
+        self._use = threading.Lock()
         self.record_source: Callable[[str], bytes] | None = None
         """Where a damaged catalog copy of a record is read again from: a function returning the
         verified bytes of the record file (the repository sets it; it raises IntegrityError naming
         the files when no copy is good)."""
 
+    def _begin(self, *, write: bool = False, db: Any = None) -> _Transaction:
+        """A transaction counted as in flight: `close` lets the LMDB file go only once the last one has ended.
+        Raises StoreClosedError once `close` was called (a read racing the close of its store from another
+        thread gets that, never an lmdb.Error from a handle closed under it)."""
+        with self._use:
+            if self._closed:
+                raise StoreClosedError(f"store {self.path.parent} is closed; open it again with Store.open")
+            self._in_flight += 1
+        try:
+            return _Transaction(self, self.env.begin(write=write, db=db))
+        except BaseException:
+            self._ended()
+            raise
+
+    def _ended(self) -> None:
+        with self._use:
+            self._in_flight -= 1
+            last = self._closed and not self._in_flight
+        if last:
+            self._release()
+
     def close(self) -> None:
+        """Take no new transaction; the file is let go now, or when the last one in flight ends (so that a
+        read on another thread finishes instead of failing half way)."""
+        with self._use:
+            if self._closed:
+                return
+            self._closed = True
+            idle = not self._in_flight
+        if idle:
+            self._release()
+
+    def _release(self) -> None:
         with _OPEN_LOCK:
             env, refs = _OPEN.get(self._key, (None, 0))
             if env is None:
@@ -153,32 +206,32 @@ class Catalog:
 
     # chunks -----------------------------------------------------------------
     def chunk(self, cid: bytes) -> ChunkLocation | None:
-        with self.env.begin(db=self._db["chunks"]) as txn:
+        with self._begin(db=self._db["chunks"]) as txn:
             raw = txn.get(cid)
         return None if raw is None else _unpack_loc(raw)
 
     def chunks(self, cids: Iterable[bytes]) -> list[ChunkLocation | None]:
-        with self.env.begin(db=self._db["chunks"]) as txn:
+        with self._begin(db=self._db["chunks"]) as txn:
             return [None if (r := txn.get(c)) is None else _unpack_loc(r) for c in cids]
 
     def has_chunks(self, cids: Iterable[bytes]) -> list[bool]:
-        with self.env.begin(db=self._db["chunks"]) as txn:
+        with self._begin(db=self._db["chunks"]) as txn:
             return [txn.get(c) is not None for c in cids]
 
     def iter_chunks(self) -> Iterator[tuple[bytes, ChunkLocation]]:
-        with self.env.begin(db=self._db["chunks"]) as txn:
+        with self._begin(db=self._db["chunks"]) as txn:
             for k, v in txn.cursor():
                 yield bytes(k), _unpack_loc(v)
 
     def packs(self) -> dict[str, dict[str, Any]]:
-        with self.env.begin(db=self._db["packs"]) as txn:
+        with self._begin(db=self._db["packs"]) as txn:
             return {bytes(k).hex(): json.loads(v) for k, v in txn.cursor()}
 
     def chunk_drops(self) -> bytes:
         """A token that changes whenever chunk locations leave the index (`drop_pack`, `clear`): whoever read
         the same token before knows that every chunk it saw indexed then is indexed still. Empty if no chunk
         ever left."""
-        with self.env.begin(db=self._db["meta"]) as txn:
+        with self._begin(db=self._db["meta"]) as txn:
             raw = txn.get(_CHUNK_DROPS)
         return b"" if raw is None else bytes(raw)
 
@@ -190,7 +243,7 @@ class Catalog:
     def drop_pack(self, pack: str) -> int:
         """Forget a pack and every chunk location that points into it; return chunks dropped."""
         dropped = 0
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             self._dropped_chunks(txn)
             txn.delete(bytes.fromhex(pack), db=self._db["packs"])
             cur = txn.cursor(db=self._db["chunks"])
@@ -202,20 +255,20 @@ class Catalog:
 
     def add_pack_chunks(self, pack: str, info: dict[str, Any], chunks: list[tuple[bytes, ChunkLocation]]) -> None:
         """Index a sealed pack's chunks without overwriting locations already known."""
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             txn.put(bytes.fromhex(pack), json.dumps(info).encode(), db=self._db["packs"])
             for cid, loc in chunks:
                 txn.put(cid, _pack_loc(loc), db=self._db["chunks"], overwrite=False)
 
     def set_chunk(self, cid: bytes, loc: ChunkLocation) -> None:
-        with self.env.begin(write=True, db=self._db["chunks"]) as txn:
+        with self._begin(write=True, db=self._db["chunks"]) as txn:
             txn.put(cid, _pack_loc(loc))
 
     # versions ---------------------------------------------------------------
     def commit(self, batch: CommitBatch) -> None:
         """Index a version and the chunks it added, atomically."""
         vid = bytes.fromhex(batch.version_id)
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             for pack, info in batch.packs.items():
                 txn.put(bytes.fromhex(pack), json.dumps(info).encode(), db=self._db["packs"])
             for cid, loc in batch.chunks:
@@ -238,7 +291,7 @@ class Catalog:
 
     def generation(self) -> int:
         """A counter bumped by every change to versions or annotations (for caches)."""
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             return self._generation(txn)
 
     def record(self, vid: str) -> bytes | None:
@@ -254,7 +307,7 @@ class Catalog:
         """What `record`, `extra` and `annotations` give for `vid`, read in one transaction (the annotations
         left empty unless asked for); None if the version is not indexed. Raises what `record` raises."""
         key = bytes.fromhex(vid)
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             raw = txn.get(key, db=self._db["versions"])
             if raw is None:
                 return None
@@ -266,7 +319,7 @@ class Catalog:
 
     def raw_record(self, vid: str) -> bytes | None:
         """The catalog's copy of a record as stored, unverified (fsck compares it)."""
-        with self.env.begin(db=self._db["versions"]) as txn:
+        with self._begin(db=self._db["versions"]) as txn:
             raw = txn.get(bytes.fromhex(vid))
         return None if raw is None else bytes(raw)
 
@@ -274,7 +327,7 @@ class Catalog:
         """(id, verified record bytes) of every indexed version; damaged catalog copies are re-read
         from the record files (after the others). Raises IntegrityError for one with no good copy."""
         damaged: list[tuple[str, bytes]] = []
-        with self.env.begin(db=self._db["versions"]) as txn:
+        with self._begin(db=self._db["versions"]) as txn:
             for k, v in txn.cursor():
                 vid, data = bytes(k).hex(), bytes(v)
                 if blake3.blake3(data).hexdigest() == vid:
@@ -286,7 +339,7 @@ class Catalog:
 
     def raw_records(self) -> Iterator[tuple[str, bytes]]:
         """Every catalog copy as stored, unverified (fsck checks them)."""
-        with self.env.begin(db=self._db["versions"]) as txn:
+        with self._begin(db=self._db["versions"]) as txn:
             for k, v in txn.cursor():
                 yield bytes(k).hex(), bytes(v)
 
@@ -304,11 +357,11 @@ class Catalog:
         """Replace the catalog's copy of an indexed record by `data`, which must hash to `vid`."""
         if blake3.blake3(data).hexdigest() != vid:
             raise IntegrityError(f"refusing to index record bytes that do not match version {vid[:12]}")
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             txn.put(bytes.fromhex(vid), data, db=self._db["versions"])
 
     def version_count(self) -> int:
-        with self.env.begin() as txn:
+        with self._begin() as txn:
             return int(txn.stat(self._db["versions"])["entries"])
 
     def ids_with_prefix(self, prefix: str, limit: int = 2) -> list[str]:
@@ -316,7 +369,7 @@ class Catalog:
         even = prefix[: len(prefix) // 2 * 2]
         start = bytes.fromhex(even)
         out: list[str] = []
-        with self.env.begin(db=self._db["versions"]) as txn:
+        with self._begin(db=self._db["versions"]) as txn:
             cur = txn.cursor()
             if not cur.set_range(start):
                 return out
@@ -333,7 +386,7 @@ class Catalog:
     def children(self, vid: str) -> list[str]:
         key = bytes.fromhex(vid)
         out = []
-        with self.env.begin(db=self._db["children"]) as txn:
+        with self._begin(db=self._db["children"]) as txn:
             cur = txn.cursor()
             if cur.set_range(key):
                 for k in cur.iternext(values=False):
@@ -344,11 +397,11 @@ class Catalog:
         return out
 
     def extra(self, vid: str) -> dict[str, Any]:
-        with self.env.begin(db=self._db["extra"]) as txn:
+        with self._begin(db=self._db["extra"]) as txn:
             return _json_dict(txn.get(bytes.fromhex(vid)))
 
     def set_extra(self, vid: str, extra: dict[str, Any]) -> None:
-        with self.env.begin(write=True, db=self._db["extra"]) as txn:
+        with self._begin(write=True, db=self._db["extra"]) as txn:
             txn.put(bytes.fromhex(vid), json.dumps(extra).encode())
 
     def update_extra(self, vid: str, set_: dict[str, Any] | None = None, drop: Iterable[str] = (),
@@ -356,7 +409,7 @@ class Catalog:
         """Read-modify-write a version's extra in one transaction (flusher, prune and saves race on it).
         With `only_if_missing`, nothing changes when that key is already truthy. Bumps the generation."""
         key = bytes.fromhex(vid)
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             raw = txn.get(key, db=self._db["extra"])
             extra = _json_dict(raw)
             if only_if_missing is not None and extra.get(only_if_missing):
@@ -370,42 +423,42 @@ class Catalog:
 
     def set_chunks(self, items: Iterable[tuple[bytes, ChunkLocation]]) -> None:
         """Point many chunks at new locations in one transaction (gc's repack)."""
-        with self.env.begin(write=True, db=self._db["chunks"]) as txn:
+        with self._begin(write=True, db=self._db["chunks"]) as txn:
             for cid, loc in items:
                 txn.put(cid, _pack_loc(loc))
 
     def pruned_ids(self) -> set[str]:
         """Ids of versions whose bytes were pruned (their records stay)."""
-        with self.env.begin(db=self._db["extra"]) as txn:
+        with self._begin(db=self._db["extra"]) as txn:
             return {bytes(k).hex() for k, v in txn.cursor() if b'"pruned": true' in v}
 
     # annotations ------------------------------------------------------------
     def annotations(self, vid: str) -> dict[str, Any]:
-        with self.env.begin(db=self._db["annotations"]) as txn:
+        with self._begin(db=self._db["annotations"]) as txn:
             return _json_dict(txn.get(bytes.fromhex(vid)))
 
     def all_annotations(self) -> dict[str, dict[str, Any]]:
-        with self.env.begin(db=self._db["annotations"]) as txn:
+        with self._begin(db=self._db["annotations"]) as txn:
             return {bytes(k).hex(): json.loads(v) for k, v in txn.cursor()}
 
     def set_annotations(self, vid: str, values: dict[str, Any]) -> None:
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             txn.put(bytes.fromhex(vid), json.dumps(values).encode(), db=self._db["annotations"])
             txn.put(b"generation", str(self._generation(txn) + 1).encode(), db=self._db["meta"])
 
     def meta(self, key: str) -> str | None:
-        with self.env.begin(db=self._db["meta"]) as txn:
+        with self._begin(db=self._db["meta"]) as txn:
             raw = txn.get(key.encode())
         return None if raw is None else bytes(raw).decode()
 
     def set_meta(self, key: str, value: str) -> None:
-        with self.env.begin(write=True, db=self._db["meta"]) as txn:
+        with self._begin(write=True, db=self._db["meta"]) as txn:
             txn.put(key.encode(), value.encode())
 
     def node(self, vid: str) -> tuple[tuple[str, ...], float] | None:
         """(parents, created) of an indexed version, read without parsing its record; None if absent
         (unknown, or indexed by a catalog older than the `nodes` table: read the record then)."""
-        with self.env.begin(db=self._db["nodes"]) as txn:
+        with self._begin(db=self._db["nodes"]) as txn:
             raw = txn.get(bytes.fromhex(vid))
         if raw is None:
             return None
@@ -415,7 +468,7 @@ class Catalog:
 
     def drop_version(self, vid: str, parents: list[str]) -> None:
         key = bytes.fromhex(vid)
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             txn.delete(key, db=self._db["versions"])
             txn.delete(key, db=self._db["nodes"])
             txn.delete(key, db=self._db["extra"])
@@ -425,7 +478,7 @@ class Catalog:
 
     def clear(self) -> None:
         """Empty every table (before a rebuild)."""
-        with self.env.begin(write=True) as txn:
+        with self._begin(write=True) as txn:
             for name in _DBS:
                 txn.drop(self._db[name.decode()], delete=False)
             self._dropped_chunks(txn)

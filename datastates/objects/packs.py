@@ -38,7 +38,7 @@ from ..base.files import (
     write_all,
     writev_all,
 )
-from ..errors import IntegrityError, NotFoundError
+from ..errors import IntegrityError, NotFoundError, StoreClosedError
 from .chunks import CODEC_RAW, ChunkLocation
 
 HEADER = b"DSPACK01"
@@ -262,47 +262,87 @@ class PackReader:
         self.max_open = max_open
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._lock = threading.Lock()
+        self._reads: dict[int, int] = {}
+        """Reads in flight per file descriptor."""
+        self._retired: set[int] = set()
+        """Descriptors let go (evicted, forgotten, closed) while a read used them: closed when it ends. Closing one
+        under a read would fail it, or worse hand its number to the next file opened, which the read would read."""
+        self._closed = False
 
-    def _fd(self, pack: str) -> int:
+    def _acquire(self, pack: str) -> int:
+        """An open descriptor of `pack`, counted as in use until `_release`. Raises NotFoundError (no such pack),
+        StoreClosedError (after `close`)."""
         with self._lock:
+            if self._closed:
+                raise StoreClosedError(f"store {self.directory.parent} is closed; open it again with Store.open")
             fd = self._fds.get(pack)
             if fd is not None:
                 self._fds.move_to_end(pack)
-                return fd
-            try:
-                fd = os.open(self.directory / f"{pack}.pack", os.O_RDONLY)
-            except FileNotFoundError:
-                raise NotFoundError(
-                    f"pack {pack} is missing from {self.directory}; run `datastates fsck` to see what it held"
-                ) from None
-            self._fds[pack] = fd
-            if len(self._fds) > self.max_open:
-                _, old = self._fds.popitem(last=False)
-                os.close(old)
+            else:
+                try:
+                    fd = os.open(self.directory / f"{pack}.pack", os.O_RDONLY)
+                except FileNotFoundError:
+                    raise NotFoundError(
+                        f"pack {pack} is missing from {self.directory}; run `datastates fsck` to see what it held"
+                    ) from None
+                self._fds[pack] = fd
+                if len(self._fds) > self.max_open:
+                    self._retire(self._fds.popitem(last=False)[1])
+            self._reads[fd] = self._reads.get(fd, 0) + 1
             return fd
+
+    def _release(self, fd: int) -> None:
+        with self._lock:
+            left = self._reads.pop(fd) - 1
+            if left:
+                self._reads[fd] = left
+            elif fd in self._retired:
+                self._retired.discard(fd)
+                os.close(fd)
+
+    def _retire(self, fd: int) -> None:
+        # under self._lock
+        if fd in self._reads:
+            self._retired.add(fd)
+        else:
+            os.close(fd)
 
     def read(self, loc: ChunkLocation) -> bytes:
         """The stored bytes of a chunk (still encoded)."""
-        data = os.pread(self._fd(loc.pack), loc.length, loc.offset)
+        fd = self._acquire(loc.pack)
+        try:
+            data = os.pread(fd, loc.length, loc.offset)
+        finally:
+            self._release(fd)
         if len(data) != loc.length:
             raise IntegrityError(f"pack {loc.pack} is shorter than its index says (offset {loc.offset})")
         return data
 
     def read_into(self, loc: ChunkLocation, out: memoryview) -> None:
         """Read raw (uncompressed) stored bytes straight into `out`."""
-        fd = self._fd(loc.pack)
-        got = os.preadv(fd, [out], loc.offset)
-        while got < loc.length:
-            n = os.preadv(fd, [out[got:]], loc.offset + got)
-            if n == 0:
-                raise IntegrityError(f"pack {loc.pack} is shorter than its index says (offset {loc.offset})")
-            got += n
+        fd = self._acquire(loc.pack)
+        try:
+            got = os.preadv(fd, [out], loc.offset)
+            while got < loc.length:
+                n = os.preadv(fd, [out[got:]], loc.offset + got)
+                if n == 0:
+                    raise IntegrityError(f"pack {loc.pack} is shorter than its index says (offset {loc.offset})")
+                got += n
+        finally:
+            self._release(fd)
 
     def readv_into(self, pack: str, offset: int, outs: list[memoryview]) -> None:
         """Read the stored bytes at `offset` onward into `outs`, in order, back to back: one `preadv`
         when the kernel returns everything (the common case), more calls for the rest otherwise.
         Raises IntegrityError when the pack ends early, NotFoundError when it is missing."""
-        fd = self._fd(pack)
+        fd = self._acquire(pack)
+        try:
+            self._readv(fd, pack, offset, outs)
+        finally:
+            self._release(fd)
+
+    @staticmethod
+    def _readv(fd: int, pack: str, offset: int, outs: list[memoryview]) -> None:
         total = sum(len(o) for o in outs)
         got = os.preadv(fd, outs, offset) if outs else 0
         if got == total:
@@ -340,14 +380,16 @@ class PackReader:
             os.close(fd)  # the mapping keeps its own reference to the file
 
     def forget(self, pack: str) -> None:
-        """Close a pack's file (before it is deleted)."""
+        """Close a pack's file (before it is deleted; a read in flight finishes first)."""
         with self._lock:
             fd = self._fds.pop(pack, None)
-        if fd is not None:
-            os.close(fd)
+            if fd is not None:
+                self._retire(fd)
 
     def close(self) -> None:
+        """Open no file any more (StoreClosedError); those read from now are closed when their reads end."""
         with self._lock:
+            self._closed = True
             for fd in self._fds.values():
-                os.close(fd)
+                self._retire(fd)
             self._fds.clear()
