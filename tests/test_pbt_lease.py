@@ -81,6 +81,31 @@ def test_an_unreadable_lease_keeps_every_branchs_lineage(tmp_path: Path) -> None
         assert not any(s.version(v).pruned for v in ids)
 
 
+def test_a_leased_lineage_past_a_version_not_on_this_node_keeps_every_version(tmp_path: Path) -> None:
+    """With Flush(every=2) a node opened from cold lacks every other version of a branch: its lineage walk ends at
+    the first gap, so the versions past it could not be told apart from strangers and would have been pruned."""
+    import torch
+
+    from datastates.base.config import Flush
+    from datastates.meta.leases import release, take
+    from datastates.retention import KeepLatest
+
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot", flush=Flush(every=2))
+    for i in range(6):
+        s.save({"w": torch.full((8,), float(i))}, branch="sweep/m0", step=i)
+    assert s.flush(timeout=60)
+    s.close()
+    take(tmp_path / "cold", "pop", "sweep/")
+    try:
+        with ds.Store.open(tmp_path / "cold", hot=tmp_path / "fresh-hot", create=False) as fresh:
+            here = sorted(fresh.versions_table().column("step").to_pylist())
+            assert here == [1, 3, 5]
+            fresh.prune(KeepLatest(1))
+            assert [fresh.find(f"step = {i}")[0].pruned for i in here] == [False, False, False]
+    finally:
+        release(tmp_path / "cold", "pop")
+
+
 @pytest.mark.parametrize("name", ["sweep", "a/b c"])
 def test_population_close_releases_only_its_own_lease(tmp_path: Path, name: str) -> None:
     from datastates.meta import leases

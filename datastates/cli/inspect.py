@@ -8,7 +8,7 @@ from typing import Any
 from ..base.config import human_bytes
 from ..store import Store
 from .arguments import positive
-from .output import fmt, print_json, when
+from .output import fmt, print_json, when, with_store
 
 
 def register(sub: Any) -> None:
@@ -69,6 +69,11 @@ def _log(store: Store, args: argparse.Namespace) -> int:
         step = "-" if v.step is None else str(v.step)
         tail = "  ".join(x for x in (metrics, v.message, " ".join(deco)) if x)
         print(f"{v.short}  {when(v.created)}  {step:>8}  {human_bytes(v.bytes_new):>10}  {tail}".rstrip())
+    graph = store.repo.graph
+    absent = [(v, p) for v in versions for p in v.parents if not graph.has(p)]
+    for v, p in absent:  # where the walk ended early, as git marks a shallow clone's boundary
+        print(with_store(f"(history goes on past {v.short}: its parent {p[:12]} is not on this node; "
+                         "`datastates fsck` says why)", args.store))
     return 0
 
 

@@ -395,7 +395,8 @@ def _chunks_of(store: Repository, mids: Iterable[str]) -> set[bytes]:
 
 def _leased(store: Repository) -> set[str]:
     """Ancestors of the branches under a live lease (a population running in any process on this store).
-    An unreadable lease file protects the ancestors of every branch: keeping too much is safe."""
+    An unreadable lease file protects the ancestors of every branch, and a leased branch whose lineage reaches a
+    version not on this node protects every version: keeping too much is safe."""
     from ..meta.leases import live
     from ..query.lineage import ancestors
 
@@ -405,10 +406,16 @@ def _leased(store: Repository) -> set[str]:
                     "remove them once no population runs", ", ".join(bad))
     prefixes = [""] if bad else [lease.prefix for lease in leases]
     out: set[str] = set()
+    graph = store.graph
     for name, vid in store.refs.names("branch").items():
         if any(name.startswith(p) for p in prefixes):
-            out.add(vid)
-            out.update(ancestors(store.graph, vid))
+            line = [vid, *ancestors(graph, vid)]
+            if any(graph.absent_parents(x) for x in line):
+                # The walk ended at a parent this node lacks (kept off cold by the flush policy): which versions
+                # past it the branch descends from is unknown here, so every one is kept.
+                log.warning("branch %r descends from versions not on this node: keeping every version", name)
+                return {vid for vid, _ in store.catalog.raw_records()}
+            out.update(line)
     return out
 
 

@@ -22,23 +22,39 @@ class CatalogGraph:
         self.catalog = catalog
         self._nodes = _CACHE.setdefault(str(catalog.path), {})
 
-    def _node(self, vid: str) -> tuple[tuple[str, ...], float]:
+    def _lookup(self, vid: str) -> tuple[tuple[str, ...], float] | None:
         node = self._nodes.get(vid)
         if node is None:
             node = self.catalog.node(vid)
         if node is None:
             data = self.catalog.record(vid)
             if data is None:
-                raise NotFoundError(f"version {vid[:12]} is not in the catalog (a parent whose record is lost, or "
-                                    "one not indexed yet); `datastates fsck` says which, and `datastates fsck "
-                                    "--repair` indexes a record file that is there")
+                return None  # not cached: a refresh or a repair may index it later
             rec = json.loads(data)
             node = (tuple(rec.get("parents", ())), float(rec.get("created", 0.0)))
         self._nodes[vid] = node
         return node
 
+    def _node(self, vid: str) -> tuple[tuple[str, ...], float]:
+        node = self._lookup(vid)
+        if node is None:
+            raise missing_version(vid)
+        return node
+
+    def has(self, vid: str) -> bool:
+        """Whether this catalog holds version `vid`."""
+        return self._lookup(vid) is not None
+
+    def absent_parents(self, vid: str) -> list[str]:
+        """The parents `vid`'s record names that this catalog lacks (where `parents` ends a walk)."""
+        return [p for p in self._node(vid)[0] if not self.has(p)]
+
     def parents(self, vid: str) -> Sequence[str]:
-        return self._node(vid)[0]
+        """The parents of `vid` that this catalog holds: a walk ends at one it lacks, as `git log` ends at a shallow
+        clone's boundary (the flush policy keeps versions off cold, so a node opened from cold may never see them;
+        `fsck` tells those from lost records). Raises NotFoundError when `vid` itself is not here."""
+        ps = self._node(vid)[0]
+        return ps if all(self.has(p) for p in ps) else tuple(p for p in ps if self.has(p))
 
     def created(self, vid: str) -> float:
         return self._node(vid)[1]
@@ -70,8 +86,17 @@ def unreached(graph: CatalogGraph, start: str, roots: Iterable[str]) -> int:
 
 
 def _known_parents(graph: CatalogGraph, vid: str) -> Sequence[str]:
-    # Another ref's line may lead to a version this catalog lacks; it must not fail a move of an unrelated branch.
+    # A ref may name a version this catalog lacks (another host's, never flushed): it must not fail a move of an
+    # unrelated branch.
     try:
         return graph.parents(vid)
     except NotFoundError:
         return ()
+
+
+def missing_version(vid: str) -> NotFoundError:
+    """The error for a version id this catalog lacks (a ref or a record names it)."""
+    return NotFoundError(f"version {vid[:12]} is not in this node's catalog: a parent the flush policy kept off the "
+                         "cold tier (it is on the hot tier of the node that saved it), a record lost, or one not "
+                         "indexed yet; `datastates fsck` says which, and `datastates fsck --repair` indexes a "
+                         "record file that is there")

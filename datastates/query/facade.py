@@ -23,7 +23,9 @@ class Queries:
     _table: tuple[Any, Any] | None = None
 
     def log(self, ref: Any = "main", *, first_parent: bool = False, limit: int | None = None) -> list[Version]:
-        """`ref` and its ancestors, newest first (like `git log`)."""
+        """`ref` and its ancestors, newest first (like `git log`). The walk ends at a parent this node's catalog
+        lacks, as `git log` ends at a shallow clone's boundary: one the flush policy kept off the cold tier, or a
+        record lost (`fsck` says which); `graph.absent_parents(id)` names them. Raises NotFoundError for `ref`."""
         start = self.repo.resolve(ref)
         ids = [start] + ancestors(self.repo.graph, start, first_parent=first_parent)
         if limit is not None:

@@ -27,7 +27,7 @@ from ..errors import (
     StoreClosedError,
 )
 from ..meta.catalog import Catalog
-from ..meta.graph import CatalogGraph, unreached
+from ..meta.graph import CatalogGraph, missing_version, unreached
 from ..meta.refs import HEX_ID, RefStore, check_name
 from ..meta.versions import (
     LATER_METRICS,
@@ -270,7 +270,7 @@ class Repository:
         vid = self.resolve(ref)
         got = self.catalog.entry(vid, annotations=annotated)
         if got is None:
-            raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
+            raise missing_version(vid)
         data, extra, notes = got
         v = decode_record(vid, data, timings=extra.get("timings", {}), pruned=bool(extra.get("pruned")),
                           damaged=extra.get("damaged") or None)
@@ -279,7 +279,7 @@ class Repository:
     def parents(self, vid: str) -> list[str]:
         data = self.catalog.record(vid)
         if data is None:
-            raise NotFoundError(f"version {vid[:12]} is not in the catalog; run `datastates fsck --rebuild`")
+            raise missing_version(vid)
         return list(json.loads(data).get("parents", []))
 
     @property
