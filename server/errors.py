@@ -71,6 +71,18 @@ def classify(exc: BaseException) -> tuple[int, str]:
     return 500, "INTERNAL"
 
 
+def _without_paths(message: str, store: ds.Store | None) -> str:
+    """`message` with the server's own directories (each tier's root) written as `<store>`, `<hot tier>` or
+    `<cold tier>`: a client learns which file, not where the server keeps it (the server's log keeps them)."""
+    if store is None:
+        return message
+    tiers = store.repo.tiers
+    names = {store.path: "<store>"} | ({t.root: f"<{t.name} tier>" for t in tiers} if len(tiers) > 1 else {})
+    for root, name in sorted(names.items(), key=lambda kv: -len(str(kv[0]))):  # longest first: nested roots
+        message = message.replace(str(root), name)
+    return message
+
+
 def _rid(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
@@ -86,11 +98,15 @@ def install(app: FastAPI) -> None:
             details.update(offset=exc.offset, query=exc.query)
         if status >= 500:
             log.error("request %s: %s: %s", _rid(request), type(exc).__name__, exc)
-        return envelope(status, code, str(exc), details, request_id=_rid(request))
+        message = _without_paths(str(exc), getattr(request.app.state, "store", None))
+        return envelope(status, code, message, details, request_id=_rid(request))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return envelope(exc.status, exc.code, exc.message, exc.details, exc.headers, request_id=_rid(request))
+        if exc.status >= 500:
+            log.error("request %s: %s", _rid(request), exc.message)
+        message = _without_paths(exc.message, getattr(request.app.state, "store", None))
+        return envelope(exc.status, exc.code, message, exc.details, exc.headers, request_id=_rid(request))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -237,7 +237,8 @@ def test_a_range_with_a_digit_int_cannot_read_is_ignored() -> None:
 
 def test_damage_under_a_running_server_is_a_typed_answer(template: Path, tmp_path: Path) -> None:
     """A truncated pack gave 200 and a body cut after the npy header; a damaged ref file answered 404 'does not
-    exist' on GET /branches/NAME; a store deleted under the server left /healthz at 200 ok."""
+    exist' on GET /branches/NAME (and named the server's absolute path); a store deleted under the server left
+    /healthz at 200 ok."""
     with _serve(template, tmp_path) as srv, httpx.Client(base_url=srv.api, timeout=30) as c:
         store = Path(srv.store)
         packs = sorted((store / "packs").glob("*.pack"))
@@ -247,11 +248,16 @@ def test_damage_under_a_running_server_is_a_typed_answer(template: Path, tmp_pat
         r = c.get("/versions/main/tensors/model.fc.weight")
         assert error(r) == (500, "INTEGRITY_ERROR") and "pack" in r.json()["error"]["message"]
         (store / "refs" / "heads" / "lr%2Fhigh").write_text("garbage\n")
-        assert error(c.get("/branches/lr%2Fhigh")) == (500, "INTEGRITY_ERROR")
+        r = c.get("/branches/lr%2Fhigh")
+        assert error(r) == (500, "INTEGRITY_ERROR")
+        # the file is named under <store>, not by the server's own absolute path
+        assert "<store>/refs/heads/lr%2Fhigh" in r.json()["error"]["message"]
+        assert str(store) not in r.text
         assert c.get("/healthz").status_code == 200
         store.rename(tmp_path / "moved")
         try:
             r = httpx.get(srv.url + "/healthz", timeout=30)
             assert error(r) == (503, "UNAVAILABLE") and "moved or deleted" in r.json()["error"]["message"]
+            assert "FORMAT is missing from <store>" in r.json()["error"]["message"] and str(store) not in r.text
         finally:
             (tmp_path / "moved").rename(store)
