@@ -359,3 +359,30 @@ def test_deleted_refs_stay_deleted_and_forks_flush(tmp_path: Path) -> None:
     assert "t" not in s.tags() and "side" not in s.branches()
     assert s.version(f).hparams == {"lr": 0.5}
     s.close()
+
+
+def test_a_cold_tier_without_its_config_is_refused_not_made_a_store_of_its_own(tmp_path: Path) -> None:
+    """With config.toml gone, Store.open(cold) made the shared tier a one-tier store: a catalog and locks of its
+    own there, beside the hosts using it as their cold tier. FORMAT now records the role; a cold tier made before
+    gets it at its next open with a hot tier; opening with the hot tier writes config.toml again."""
+    import json
+
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    with ds.Store.open(cold, hot=hot) as s:
+        s.save({"w": torch.ones(3)})
+        assert s.flush(timeout=60)
+    assert json.loads((cold / "FORMAT").read_text())["tier"] == "cold"
+    (cold / "config.toml").unlink()
+    before = sorted(p.name for p in cold.iterdir())
+    with pytest.raises(ds.StoreFormatError, match=r"is the cold tier of a two-tier store.*Store.open\(path, hot="):
+        ds.Store.open(cold)
+    assert sorted(p.name for p in cold.iterdir()) == before  # no catalog/, nothing else
+    with ds.Store.open(cold, hot=hot) as s:
+        assert s.load("main")["w"].tolist() == [1.0, 1.0, 1.0]
+    assert (cold / "config.toml").exists()
+    # a cold tier made before FORMAT recorded the role gets it at its next open with a hot tier
+    info = json.loads((cold / "FORMAT").read_text())
+    del info["tier"]
+    (cold / "FORMAT").write_text(json.dumps(info, sort_keys=True))
+    ds.Store.open(cold, hot=hot).close()
+    assert json.loads((cold / "FORMAT").read_text()) == info | {"tier": "cold"}

@@ -71,6 +71,12 @@ class Tier:
         write_new(self.root / "FORMAT", json.dumps({"format": FORMAT, "created": time.time(), **settings},
                                                     sort_keys=True).encode())
 
+    def mark_cold(self, info: dict[str, object]) -> None:
+        """Record in FORMAT that this directory is a cold tier (`"tier": "cold"`), so that an open without its
+        config.toml refuses it instead of making it a store of its own. Only that key is added; an atomic
+        replace, so a reader sees the old record or the new one."""
+        replace(self.root / "FORMAT", json.dumps(info | {"tier": "cold"}, sort_keys=True).encode())
+
     # objects -------------------------------------------------------------------
     def _obj(self, kind: str, oid: str, ext: str) -> Path:
         return self.root / kind / oid[:2] / f"{oid}.{ext}"

@@ -60,6 +60,11 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
                 raise _no_store(root)
             tier.create({"chunk_size": chunk_size or DEFAULT_CHUNK_SIZE})
             info = tier.read_format() or {}
+        if info.get("tier") == "cold":
+            raise StoreFormatError(
+                f"{root} is the cold tier of a two-tier store, and its config.toml, which names the hot tier, is "
+                "missing: opened alone it would get a catalog and locks of its own on the shared tier. Open it with "
+                "its hot tier once, in Python: Store.open(path, hot=HOT_DIR), which writes config.toml again")
         size = int(chunk_size or info.get("chunk_size", DEFAULT_CHUNK_SIZE))  # type: ignore[call-overload]
         check_chunk_size(size)
         had_catalog = (root / "catalog" / "data.mdb").exists()
@@ -87,7 +92,12 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     settings = {"chunk_size": chunk_size or int((cold_info or hot_info or {}).get(  # type: ignore[call-overload]
         "chunk_size", DEFAULT_CHUNK_SIZE))}
     if cold_ok and cold_info is None:
-        cold_tier.create(settings)
+        cold_tier.create(settings | {"tier": "cold"})
+    elif cold_ok and cold_info is not None and cold_info.get("tier") != "cold":
+        try:
+            cold_tier.mark_cold(cold_info)  # made before FORMAT recorded the role (2026-11-29)
+        except OSError as exc:  # a read-only mount: the store opens as before, unmarked
+            log.warning("could not record the cold role in %s/FORMAT (%s)", root, exc)
     if hot_info is None:
         hot_tier.create(settings)
     if cold_ok and (saved is None or saved != cfg):
