@@ -120,7 +120,11 @@ class _Part(Generic[T]):
 
 
 class Store(Queries):
-    """A versioned model-state store rooted at a directory. Use `Store.open`."""
+    """A versioned model-state store rooted at a directory. Use `Store.open`.
+
+    A process forked from the one that opened it (a DataLoader or multiprocessing worker) does not share its
+    threads or its catalog: there every call raises StoreClosedError (open the store again in the child), and
+    the child's exit waits for none of the parent's saves."""
 
     def __init__(self, repo: Repository, *, pool_bytes: int, zstd_level: int, workers: int) -> None:
         self.repo = repo
@@ -129,6 +133,9 @@ class Store(Queries):
         self.flusher: Flusher | None = None
         self.comm: Comm = SingleComm()
         """The ranks saving together (one process unless opened with `comm=`)."""
+        self.commit_comm: Comm = self.comm
+        """A duplicate of `comm` for the collectives of commits, which run on the pipeline thread while the caller's
+        thread may be in the next save's (or a load's) own."""
         self.placement: Placement | None = None
         """Where each rank's hot tier and partner copies are (a job of several ranks)."""
         self.reuse_unchanged = False
@@ -205,6 +212,7 @@ class Store(Queries):
             store.flusher.resume()
         store.reuse_unchanged = reuse_unchanged
         store.comm = job
+        store.commit_comm = job.dup() if job.size > 1 else job
         if job.size > 1:
             store.placement = Placement.gather(job, repo.hot.root, partner)
         return store
@@ -266,6 +274,11 @@ class Store(Queries):
     def close(self, raise_errors: bool = True) -> None:
         """Finish the saves in flight, then release files. Raises SaveFailedError if one failed."""
         if self.repo.closed:
+            return
+        if os.getpid() != self.repo.pid:
+            # A forked child: the threads and files are the parent's (closing LMDB here would drop the parent's
+            # reader slots). Nothing of the child's to finish: it could not save (StoreClosedError).
+            self.repo.closed = self.repo.released = True
             return
         self.repo.closed = True
         try:
@@ -329,12 +342,17 @@ class Store(Queries):
         entries go into its own manifest, and entries under `replicated` (key prefixes or globs,
         identical on every rank) are written once in total, spread over the ranks by bytes.
         Raises (before anything is written) UnsupportedValueError,
-        InvalidNameError, NotFoundError for unknown parents, ConflictError (see
+        InvalidNameError, InvalidArgumentError (an `optimizer` that is none),
+        NotFoundError for unknown parents, ConflictError (see
         `force`), SaveFailedError for an earlier failed background save.
         """
         t_call = time.perf_counter()
         self._check_open()
         self._raise_pending()
+        if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
+            raise InvalidArgumentError(
+                f"optimizer= takes the torch.optim.Optimizer whose next step() waits for this lazy save's copy, not "
+                f"a {type(optimizer).__name__}; pass the optimizer, or put the object in the state")
         request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=epoch, hparams=hparams,
                                metrics=metrics, message=message, fork_of=fork_of, explore=explore, force=force)
         if branch is not None:
@@ -348,6 +366,7 @@ class Store(Queries):
         use = self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged
         return self._saver.submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
                                   reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,
+                                  commit_comm=self.commit_comm,
                                   replicated=list(replicated or []))
 
     def reserve(self, state: Any, *, allow_pickle: bool = False) -> Future[int]:

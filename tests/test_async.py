@@ -23,7 +23,13 @@ from typing import Any
 import pytest
 import torch
 
-from datastates.errors import DataStatesError, SaveFailedError, StorageFullError, StoreClosedError
+from datastates.errors import (
+    DataStatesError,
+    InvalidArgumentError,
+    SaveFailedError,
+    StorageFullError,
+    StoreClosedError,
+)
 from datastates.meta.refs import RefStore
 from datastates.objects.packs import PackWriter
 from datastates.objects.tier import Tier
@@ -730,3 +736,59 @@ def test_version_timings_and_byte_counts(tmp_path: Path, lazy: bool) -> None:
         again = s.save_async(state, step=5, lazy=lazy).result(WAIT)
         assert again.bytes_total == nbytes and again.bytes_new == 0 and again.chunks_new == 0
 
+
+
+_FORK_CHILD = r"""
+import os, sys, threading, torch
+import datastates as ds
+from datastates.objects.tier import Tier
+
+gate = threading.Event()
+write_record = Tier.write_record
+def held(self, vid, data):  # the save stays in flight until the child is done
+    gate.wait()
+    write_record(self, vid, data)
+Tier.write_record = held
+st = ds.Store.open(sys.argv[1])
+h = st.save_async({"w": torch.ones(1000)}, step=1)
+pid = os.fork()
+if pid == 0:  # exits through the interpreter's normal shutdown, as a multiprocessing or DataLoader worker does
+    import faulthandler
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang ends in exit status 1, not in a hung test
+    for call in (lambda: st.save({"w": torch.zeros(3)}), lambda: st.load("main"), st.log):
+        try:
+            call()
+            print("child: no error")
+        except ds.StoreClosedError as exc:
+            print("child: StoreClosedError", "forked from it" in str(exc))
+    st.close()
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+gate.set()
+print("parent:", os.waitstatus_to_exitcode(status), h.result().step, [v.step for v in st.log()])
+st.close()
+"""
+
+
+def test_a_forked_child_neither_hangs_at_exit_nor_uses_the_parents_store(tmp_path: Path) -> None:
+    """A child forked while a save was in flight (a DataLoader or multiprocessing worker) hung at exit: the store's
+    exit hook waited for a pipeline thread the child does not have; a save in the child blocked for ever. The
+    child now refuses the store (StoreClosedError: open it again there) and exits; the parent's save lands."""
+    script = tmp_path / "fork_child.py"
+    script.write_text(_FORK_CHILD)
+    out = subprocess.run([sys.executable, str(script), str(tmp_path / "s")], capture_output=True, text=True,
+                         timeout=120, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["child: StoreClosedError True"] * 3 + ["parent: 0 1 [1]"]
+
+
+def test_an_optimizer_that_is_none_is_refused_and_the_next_save_works(tmp_path: Path) -> None:
+    """`save_async(lazy=True, optimizer=<a module>)` raised AttributeError after queueing the job, whose capture
+    never ran: every later save, close() and the interpreter's exit then waited for ever."""
+    model = torch.nn.Linear(4, 2)
+    with Store.open(tmp_path / "s") as store:
+        with pytest.raises(InvalidArgumentError, match="optimizer= takes the torch.optim.Optimizer .* not a Linear"):
+            store.save_async({"m": model}, lazy=True, optimizer=model)  # type: ignore[arg-type]
+        assert store.branches() == {}
+        v = store.save({"m": model}, step=1)
+        assert store.log()[0].id == v.id and torch.equal(store.load()["m"]["weight"], model.weight.detach())

@@ -142,6 +142,43 @@ def test_mpi_replicated_entries_that_differ_across_ranks_are_refused_on_every_ra
     _, out = mpirun(2, tmp_path / "store", "mismatch")
     assert sorted(r["rank"] for r in out) == [0, 1]
     assert all(r["outcome"] == "InvalidArgumentError" and r["versions"] == 0 for r in out)
+    assert len({r["then"] for r in out}) == 1  # the next save works (it hung: the refused one kept its turn)
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_a_value_one_rank_cannot_save_refuses_the_save_on_every_rank(tmp_path: Path) -> None:
+    """Rank 1 refused its state before the save's collectives and rank 0 went on: rank 0's step-1 plan met rank
+    1's step-2 one, and the version recorded as step 1 held rank 1's step-2 shard."""
+    _, out = mpirun(2, tmp_path / "store", "refused")
+    assert {r["rank"]: r["first"] for r in out} == {0: "InvalidArgumentError", 1: "UnsupportedValueError"}
+    assert len({r["second"] for r in out}) == 1
+    assert all(r["step"] == 2 and r["shards"] == [2.0, 102.0] for r in out)
+
+
+def _check_pipelined(out: list[dict[str, Any]], size: int) -> None:
+    assert sorted(r["rank"] for r in out) == list(range(size))
+    assert len({tuple(r["ids"]) for r in out}) == 1 and len(set(out[0]["ids"])) == 6
+    for r in out:
+        assert r["steps"] == [1, 2, 3, 4, 5, 6]
+        assert r["shards"] == [[float(k * 100 + step) for k in range(size)] for step in range(1, 7)]
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_save_async_back_to_back_keeps_each_saves_collectives_apart(tmp_path: Path) -> None:
+    """The caller's plan of the next save and the pipeline's commit of the one before shared one communicator:
+    their messages crossed (InvalidArgumentError for equal replicated entries, a TypeError in the commit, a hang)."""
+    _, out = mpirun(2, tmp_path / "store", "pipelined")
+    _check_pipelined(out, 2)
+
+
+@pytest.mark.timeout(600)
+def test_torch_gloo_save_async_back_to_back_keeps_each_saves_collectives_apart(tmp_path: Path) -> None:
+    """The same over gloo, where the crossed messages aborted a rank (gloo::EnforceNotMet, SIGABRT)."""
+    _check_pipelined(torchrun(2, tmp_path / "store", "pipelined", tmp_path / "init"), 2)
 
 
 @mpi

@@ -70,6 +70,11 @@ class Comm(Protocol):
 
     def barrier(self) -> None: ...
 
+    def dup(self) -> Comm:
+        """A communicator of the same ranks whose messages never match this one's (collective): for collectives
+        another thread runs at the same time, each thread then keeping its own order."""
+        ...
+
     def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
         """Send `obj` to `dest` and return what `source` sent this rank (None when `source` is None).
         Every rank calls it at the same time (it is a meeting point, so a rank that never comes ends in
@@ -97,6 +102,9 @@ class SingleComm:
 
     def barrier(self) -> None:
         return None
+
+    def dup(self) -> SingleComm:
+        return self
 
     def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
         return obj if source == 0 and dest == 0 else None
@@ -143,6 +151,9 @@ class MpiComm:
 
     def barrier(self) -> None:
         self._arrive("barrier")
+
+    def dup(self) -> MpiComm:
+        return MpiComm(self._comm, self.timeout)  # MpiComm duplicates what it is given
 
     def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
         self._arrive("sendrecv")
@@ -208,6 +219,9 @@ class TorchComm:
 
     def barrier(self) -> None:
         self._call("barrier", self._dist.barrier, group=self._group)
+
+    def dup(self) -> TorchComm:
+        return TorchComm(self._group, self.timeout)  # a new private gloo group of the same ranks
 
     def sendrecv(self, obj: Any, dest: int | None, source: int | None) -> Any:
         # Objects go as pickled byte tensors: first their lengths, then the bytes, each as a non-blocking

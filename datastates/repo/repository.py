@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import time
 from pathlib import Path
@@ -70,6 +71,9 @@ class Repository:
         """Set when closing starts: no new call is taken (saves in flight and the flusher still finish)."""
         self.released = False
         """Set once the files and the catalog are let go: nothing can be read any more."""
+        self.pid = os.getpid()
+        """The process that opened it: a forked child shares none of its threads, and LMDB forbids using an
+        environment across fork."""
         self.owner: Any = None
         """The object users hold for this repository (the Store), handed to retention protectors."""
         self._manifests: dict[str, Manifest] = {}
@@ -110,14 +114,25 @@ class Repository:
         return RefStore(tier.root, shared=tier.shared)
 
     def check_open(self) -> None:
-        """StoreClosedError once closing has started (for the calls that begin something)."""
+        """StoreClosedError once closing has started (for the calls that begin something), and in a forked child."""
         if self.closed:
             raise StoreClosedError(f"store {self.path} is closed; open it again with Store.open")
+        if os.getpid() != self.pid:
+            raise self._forked()
 
     def check_readable(self) -> None:
-        """StoreClosedError once the catalog is let go (for reads: the drain of a closing store still reads)."""
+        """StoreClosedError once the catalog is let go (for reads: the drain of a closing store still reads), and in
+        a forked child."""
         if self.released:
             raise StoreClosedError(f"store {self.path} is closed; open it again with Store.open")
+        if os.getpid() != self.pid:
+            raise self._forked()
+
+    def _forked(self) -> StoreClosedError:
+        return StoreClosedError(
+            f"store {self.path} was opened by process {self.pid}, and this is a child forked from it, which shares "
+            "none of its threads and may not use its catalog (LMDB forbids it): open the store again in this "
+            "process with Store.open")
 
     # refs -------------------------------------------------------------------------------
     def resolve(self, ref: Any) -> str:

@@ -78,9 +78,10 @@ def plan(entries: list[TensorEntry], patterns: list[str], comm: Comm) -> DistPla
     rows = replicated_rows(entries, patterns)
     sig = blake3.blake3(repr([(entries[i].key, dtype_name(entries[i].dtype), entries[i].shape, entries[i].nbytes)
                               for i in rows]).encode()).hexdigest()
-    sigs = comm.allgather((sig, len(rows)))
-    if len({s for s, _ in sigs}) != 1:
-        counts = ", ".join(f"rank {r}: {n}" for r, (_, n) in enumerate(sigs))
+    sigs = comm.allgather((sig, len(rows), None))
+    _raise_refusals(sigs)
+    if len({s for s, _, _ in sigs}) != 1:
+        counts = ", ".join(f"rank {r}: {n}" for r, (_, n, _) in enumerate(sigs))
         raise InvalidArgumentError(
             f"the entries declared replicated differ across ranks ({counts} replicated tensors, or other keys, "
             "dtypes or shapes); replicated=[...] must name entries that are identical on every rank")
@@ -95,6 +96,21 @@ def plan(entries: list[TensorEntry], patterns: list[str], comm: Comm) -> DistPla
     for i in p.remote:
         entries[i].source = None  # neither copied nor hashed here: the owner writes it
     return p
+
+
+def refuse_together(comm: Comm, exc: BaseException) -> None:
+    """Where `plan` would run, on a rank whose state was refused before it (a value it cannot save): tell the
+    other ranks, whose `plan` then raises, so that every rank refuses this save and the next one is the next on
+    every rank. Otherwise the others' plan met this rank's next save's, and one version held two steps' shards.
+    Collective; the caller raises `exc` after it."""
+    comm.allgather(("", 0, f"{type(exc).__name__}: {exc}"))
+
+
+def _raise_refusals(sigs: list[tuple[str, int, str | None]]) -> None:
+    refused = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(sigs) if why is not None]
+    if refused:
+        raise InvalidArgumentError(f"the collective save was refused on {'; '.join(refused)}; every rank refuses "
+                                   "it and nothing was written: fix that rank's state and save again")
 
 
 def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: RefStore, catalog: Catalog,

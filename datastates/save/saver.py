@@ -8,6 +8,7 @@ waits for) and hands it to the pipeline, whose last stage calls the store's comm
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 import time
 import weakref
@@ -24,7 +25,7 @@ from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, CudaStaging, capture
 from .capture import plan as plan_slots
-from .collective import plan
+from .collective import plan, refuse_together
 from .copier import Copier
 from .job import KnownStats, SaveHandle, SaveJob, SaveMemory
 from .manifest import retire
@@ -50,6 +51,7 @@ class Saver:
                                  chunk_drops=chunk_drops)
         self.memory = SaveMemory()
         self._capture_order = CaptureOrder()
+        self._order_lock = threading.Lock()
         # One thread for every lazy save's capture, started on first use: captures run one at a time in
         # submission order anyway (`CaptureOrder`), and starting a thread per save cost half of a lazy
         # `save_async` of `cnn` (238 tensors: 4.2 -> 2.0 ms, alternated save by save).
@@ -61,12 +63,14 @@ class Saver:
 
     def submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
-               t_call: float, comm: Comm | None = None, replicated: list[str] | None = None) -> SaveHandle:
+               t_call: float, comm: Comm | None = None, replicated: list[str] | None = None,
+               commit_comm: Comm | None = None) -> SaveHandle:
         """Flatten `state`, queue its job and capture it (in the background when `lazy`); returns its handle.
         With a communicator of several ranks the save is collective (see `save.collective`): every
         rank must call it, in the same order. Raises UnsupportedValueError (from flatten), and for a
         collective save InvalidArgumentError when the replicated entries differ across ranks, before
-        anything is queued."""
+        anything is queued. `commit_comm`: the communicator the pipeline thread commits a collective save on, a
+        duplicate of `comm` (each thread's collectives then follow that thread's order, the same on every rank)."""
         # Flatten and capture allocate ~10 objects per tensor: collections took ~30 % of the CPU of a sync save
         # of 8,000 small tensors (docs/perf-notes.md). Deliberately not held until a sync save is durable: the
         # collection that falls due would then run between the commit and the return, and a kill there leaves a
@@ -74,11 +78,12 @@ class Saver:
         with paused():
             return self._submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
                                 reuse_unchanged=reuse_unchanged, overlap=overlap, t_call=t_call, comm=comm,
-                                replicated=replicated)
+                                replicated=replicated, commit_comm=commit_comm)
 
     def _submit(self, state: Any, request: dict[str, Any], *, allow_pickle: bool, lazy: bool,
                 optimizer: torch.optim.Optimizer | None, reuse_unchanged: bool, overlap: bool,
-                t_call: float, comm: Comm | None, replicated: list[str] | None) -> SaveHandle:
+                t_call: float, comm: Comm | None, replicated: list[str] | None,
+                commit_comm: Comm | None) -> SaveHandle:
         group = comm if comm is not None and comm.size > 1 else None  # a collective save's ranks
         # Rows the caller needs now (a collective plan, reuse_unchanged) are made now; otherwise the pipeline
         # makes them, if the flatten was a cached one.
@@ -86,15 +91,22 @@ class Saver:
         # addressed layout.
         borrow = overlap and not lazy and group is None
         reuse = self._reuse_token() if reuse_unchanged and group is None else None
-        tree, rows, plans, encoded, holds = self.flattener.flatten_kept(
-            state, allow_pickle=allow_pickle, defer=group is None and not reuse_unchanged,
-            address_key=(self.chunk_size, self.pool.slot_bytes, borrow),
-            committed=self.memory.by_key if reuse is not None and reuse[1] else None)
+        try:
+            tree, rows, plans, encoded, holds = self.flattener.flatten_kept(
+                state, allow_pickle=allow_pickle, defer=group is None and not reuse_unchanged,
+                address_key=(self.chunk_size, self.pool.slot_bytes, borrow),
+                committed=self.memory.by_key if reuse is not None and reuse[1] else None)
+        except Exception as exc:
+            if group is not None:
+                refuse_together(group, exc)  # the other ranks are in `plan`: they refuse this save too
+            raise
         handle = SaveHandle()
-        job = SaveJob(tree, rows, request, handle, self.chunk_size, t0=t_call,
-                      ticket=self._capture_order.ticket(), encoded=encoded, holds=holds)
+        job = SaveJob(tree, rows, request, handle, self.chunk_size, t0=t_call, encoded=encoded, holds=holds)
         if group is not None:
             job.dist = plan(job.entries, replicated or [], group)
+            # The commit's collectives run on the pipeline thread while the caller may be in the next save's plan:
+            # on one communicator the two threads' messages crossed (mixed saves, a gloo abort, hangs).
+            job.dist.comm = commit_comm or group
         if job.dist is not None or (reuse is not None and self._reuse_unchanged(job, *reuse)):
             plans = None  # rows without their source now: a kept layout would copy them
         job.known_stats = KnownStats(job, self.memory)
@@ -103,7 +115,12 @@ class Saver:
         # A kept layout's rows may not be made yet (the pipeline makes them): its record knows their devices.
         cuda = self._staging_for(plans.devices if plans is not None else
                                  [e.device for e in job.entries if e.source is not None])
-        self.pipeline.submit(job)
+        with self._order_lock:
+            # Taken last, once nothing can refuse the save: a ticket never captured stops every later capture.
+            # Under one lock with the submit, so that the pipeline's order is the captures' order whatever threads
+            # call.
+            job.ticket = self._capture_order.ticket()
+            self.pipeline.submit(job)
         if lazy:
             if optimizer is not None:
                 self._wait_before_step(optimizer, handle)
@@ -249,10 +266,13 @@ def at_exit(owner: Any, method: Callable[[Any], None]) -> Callable[[], None]:
     Registered with threading's exit hooks, which run before concurrent.futures stops its executors
     (and before atexit), so saves still in flight can use the hash workers to finish."""
     ref = weakref.ref(owner)
+    pid = os.getpid()
 
     def drain() -> None:
         obj = ref()
-        if obj is not None:
+        # A forked child (a DataLoader worker) inherits the hook but none of the threads it would wait for: it
+        # hung at exit waiting on a pipeline that does not exist there. The parent drains its own saves.
+        if obj is not None and os.getpid() == pid:
             method(obj)
 
     register = getattr(threading, "_register_atexit", None)

@@ -7,7 +7,11 @@
                       per-rank "shard"; print one JSON line per version with this rank's bytes written
              load   - load "main" and check what this world size can get, bit-exact; print JSON
              killed - rank 1 SIGKILLs itself just before its commit report (after its packs are sealed)
-             mismatch - rank 1's replicated "model" has another shape: every rank must refuse the save
+             mismatch - rank 1's replicated "model" has another shape: every rank must refuse the save;
+                        then a second save works on every rank
+             refused - only rank 1's state holds an unsupported value: every rank refuses that save, and the
+                       next save holds the next step on every rank
+             pipelined - six save_async back to back on every rank, then their results
              hang   - rank 1 never joins the save: rank 0 gets CommTimeoutError, then aborts the job
              failrank - rank 1's pack writes fail (OSError) in the first save: every rank must get
                         SaveFailedError, nothing visible; then a second save works on every rank
@@ -116,8 +120,32 @@ def main() -> None:
             outcome = "saved"
         except ds.DataStatesError as exc:
             outcome = type(exc).__name__
-        report(rank, {"rank": rank, "outcome": outcome,
-                                      "versions": len(store.find(""))})
+        versions = len(store.find(""))
+        then = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
+        report(rank, {"rank": rank, "outcome": outcome, "versions": versions, "then": then.id})
+    elif mode == "refused":
+        # Only rank 1's state holds a value no save takes: every rank must refuse that save, and the next save
+        # must be the next on every rank (not rank 0's step 1 beside rank 1's step 2).
+        state = {**replicated_state(1), "shard": shard(rank, 1)}
+        if rank == 1:
+            state["extra"] = object()
+        try:
+            store.save(state, step=1, replicated=["model", "optim"])
+            first = "saved"
+        except ds.DataStatesError as exc:
+            first = type(exc).__name__
+        v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
+        report(rank, {"rank": rank, "first": first, "second": v.id, "step": v.step,
+                      "shards": [store.load(v.id, rank=r, keys=["shard"])["shard"][0].item() for r in range(size)]})
+    elif mode == "pipelined":
+        # save_async back to back, as a training loop does: the next save's plan (on this thread) runs while the
+        # pipeline thread commits the one before; their collectives crossed on one communicator.
+        handles = [store.save_async({**replicated_state(step), "shard": shard(rank, step)}, step=step,
+                                    replicated=["model", "optim"]) for step in range(1, 7)]
+        got = [h.result() for h in handles]
+        report(rank, {"rank": rank, "ids": [v.id for v in got], "steps": [v.step for v in got],
+                      "shards": [[store.load(v.id, rank=r, keys=["shard"])["shard"][0].item() for r in range(size)]
+                                 for v in got]})
     elif mode == "hang":
         # Rank 1 never joins the save (a hung rank): rank 0's collective times out ($DATASTATES_COMM_TIMEOUT)
         # with CommTimeoutError, reports, and aborts the job as a training script would.
