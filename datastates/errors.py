@@ -7,12 +7,42 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
+import re
+import shlex
 from collections.abc import Callable, Iterable
 from typing import Any
 
 
 class DataStatesError(Exception):
     """Base class of every error raised by datastates."""
+
+
+_HINT = re.compile("`" + r"datastates ([^`]*)`")  # split: tests/test_hints.py runs every `datastates ...` literal
+
+
+def with_store(text: str, store: str | None) -> str:
+    """`text` with `--store STORE` put into each backquoted hint that is a datastates command, so that the
+    hint runs as given in the user's shell. Unchanged when `store` is what $DATASTATES_STORE already names
+    (or None), and for hints that name a store of their own."""
+    if not store or store == os.environ.get("DATASTATES_STORE"):
+        return text
+
+    def put(m: re.Match[str]) -> str:
+        rest = m.group(1)
+        if "--store" in rest.split() or rest.split()[:1] in (["demo"], ["bench"]):
+            return m.group(0)
+        return m.group(0).replace("datastates ", f"datastates --store {shlex.quote(store)} ", 1)
+
+    return _HINT.sub(put, text)
+
+
+def name_store(exc: BaseException, store: str) -> None:
+    """Put `--store STORE` into the command hints of `exc`'s message, in place (see `with_store`): raised
+    through a Store's methods, a hint such as `datastates fsck` then runs as given in a shell, which knows no
+    store of its own."""
+    if exc.args and isinstance(exc.args[0], str):
+        exc.args = (with_store(exc.args[0], store), *exc.args[1:])
 
 
 class NotFoundError(DataStatesError, KeyError):

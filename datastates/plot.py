@@ -569,11 +569,11 @@ def lineage(store: Store, refs: Any = None, *, population: Population | str | No
     fork, which copies tensors but not metrics; a black x where it was pruned); branch heads and tags
     are labeled. See `lineage_data` for which versions are drawn.
     Raises what `lineage_data` raises, MissingDependencyError."""
-    from matplotlib.collections import LineCollection
-
     data = lineage_data(store, refs, population=population, metric=metric)
     n = len(data.ids)
     fig = _figure(*(figsize or (max(6.0, 1.5 + 0.9 * len(data.lanes)), min(16.0, max(4.0, 1.0 + 0.12 * n)))))
+    from matplotlib.collections import LineCollection  # after _figure: it says what to install when absent
+
     ax = fig.add_subplot()
     y = np.arange(n)
     styles = {"parent": ("tab:gray", "solid"), "merge": ("tab:purple", "dotted"), "fork": ("tab:red", "dashed")}

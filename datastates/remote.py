@@ -34,7 +34,7 @@ class RemoteError(E.DataStatesError):
     """The server answered an error with no datastates equivalent (auth, validation, internal)."""
 
     def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(f"HTTP {status} {code}: {message}")
+        super().__init__(f"HTTP {status} {code}: {message}" if status else f"{code}: {message}")
         self.status, self.code = status, code
 
 
@@ -80,8 +80,18 @@ class RemoteStore:
 
     # transport ---------------------------------------------------------------------
     def _get(self, path: str, **params: Any) -> Any:
-        r = self._http.get(path, params={k: v for k, v in params.items() if v is not None})
-        return self._check(r).json()
+        return self._check(self._send(path, {k: v for k, v in params.items() if v is not None})).json()
+
+    def _send(self, path: str, params: dict[str, Any]) -> Any:
+        """GET `path`; RemoteError (code UNREACHABLE) when no answer comes: httpx's own errors are no
+        DataStatesError."""
+        import httpx
+
+        try:
+            return self._http.get(path, params=params)
+        except (httpx.TransportError, httpx.InvalidURL) as exc:
+            raise RemoteError(0, "UNREACHABLE", f"no answer from {self.url} ({type(exc).__name__}: {exc}); check "
+                              "the URL and that `datastates serve` runs there") from exc
 
     def _check(self, r: Any) -> Any:
         if r.status_code < 400:
@@ -179,7 +189,7 @@ class RemoteStore:
         params: dict[str, Any] = {}
         if keys is not None:
             params["keys"] = [keys] if isinstance(keys, str) else list(keys)
-        r = self._check(self._http.get(f"/versions/{_seg(ref)}/state", params=params))
+        r = self._check(self._send(f"/versions/{_seg(ref)}/state", params))
         data = r.content
         n = int.from_bytes(data[:8], "little")
         meta = json.loads(data[8:8 + n]).get("__metadata__", {})

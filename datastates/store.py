@@ -15,11 +15,13 @@ Guarantees (each pinned by tests):
 from __future__ import annotations
 
 import atexit
+import functools
+import inspect
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
@@ -35,6 +37,7 @@ from .errors import (
     PrunedError,
     SaveFailedError,
     check_keywords,
+    name_store,
 )
 from .maintenance.eviction import Evictor
 from .maintenance.flush import Flusher
@@ -170,7 +173,8 @@ class Store(Queries):
         `path` alone (CLI, server) sees the same tiers.
         Raises StoreFormatError for a newer format or a non-store directory,
         NotFoundError when `create=False` and nothing is there, InvalidArgumentError
-        for a chunk size, pool size or worker count out of range. A missing
+        for a path that is none, a hot tier that is or nests the store directory, or a chunk size, pool size or
+        worker count out of range. A missing
         catalog is rebuilt from the tier files.
         `comm` (an mpi4py communicator, a torch.distributed group or "torch") makes saves collective:
         every rank opens the same store and calls `save`/`save_async` in the same order (see
@@ -181,6 +185,10 @@ class Store(Queries):
         to the hot tier of a rank on another node; raises InvalidArgumentError with one node or
         without `hot=`.
         """
+        for name, value in (("path", path), ("hot", hot)):
+            if not isinstance(value, (str, os.PathLike)) and not (name == "hot" and value is None):
+                raise InvalidArgumentError(f"{name}= must be a directory path (a str or a Path), not "
+                                           f"{type(value).__name__}")
         if pool_bytes is not None and pool_bytes <= 0:
             raise InvalidArgumentError(f"pool_bytes {pool_bytes} must be positive (or None: a share of RAM)")
         if workers < 1:
@@ -677,5 +685,25 @@ class Store(Queries):
         self.wait()
         return fsck(self.repo, repair=repair, rebuild=rebuild)
 
+
+
+def _naming_the_store(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(*args: Any, **kw: Any) -> Any:  # no named `self`: annotate(ref, self=1) is an annotation
+        try:
+            return fn(*args, **kw)
+        except DataStatesError as exc:
+            name_store(exc, str(args[0].repo.path))
+            raise
+
+    return call
+
+
+# Every public method's errors name this store in their command hints (`datastates --store PATH fsck`): a
+# Python caller pastes the hint into a shell, where `datastates fsck` alone finds no store.
+for _name in dir(Store):
+    _attr = inspect.getattr_static(Store, _name)
+    if not _name.startswith("_") and inspect.isfunction(_attr):
+        setattr(Store, _name, _naming_the_store(_attr))
 
 __all__ = ["Store", "DataStatesError"]

@@ -447,3 +447,17 @@ def test_keys_given_as_one_string(filled: ds.Store) -> None:
     v = filled.save({"model": {"w": torch.ones(2), "b": torch.zeros(1)}}, branch="k")
     assert set(filled.load(v, keys="model.w")["model"]) == {"w"}
     assert filled.diff(v, v, keys="model.w").column("key").to_pylist() == ["model.w"]
+
+
+def test_a_path_or_query_of_another_type_is_a_typed_error(tmp_path: Path) -> None:
+    """Store.open(123) and find(None) raised bare TypeErrors."""
+    for bad in (123, None, b"bytes"):
+        with pytest.raises(ds.InvalidArgumentError, match=r"path= must be a directory path \(a str or a Path\)"):
+            ds.Store.open(bad)  # type: ignore[arg-type]
+    with pytest.raises(ds.InvalidArgumentError, match="hot= must be a directory path"):
+        ds.Store.open(tmp_path / "s", hot=5)  # type: ignore[arg-type]
+    assert list(tmp_path.iterdir()) == []
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"w": torch.ones(1)})
+        with pytest.raises(ds.InvalidArgumentError, match="query must be a string"):
+            s.find(None)  # type: ignore[arg-type]

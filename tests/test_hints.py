@@ -137,3 +137,29 @@ def test_log_on_an_empty_store_does_not_send_the_user_to_log(tmp_path: Path,
     assert main(["--store", str(tmp_path / "empty"), "log"]) == 1
     err = capsys.readouterr().err
     assert "no versions yet" in err and "`datastates log`" not in err
+
+
+def test_a_hint_raised_to_a_python_caller_runs_as_given_in_a_shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """The Python API's errors said `datastates tag keep-... ID`, which a shell (no --store, no
+    $DATASTATES_STORE) refused with 'no store given'; so did the CLI's warnings for a damaged ref. Both name
+    the store now, and the hint runs as given."""
+    monkeypatch.delenv("DATASTATES_STORE", raising=False)
+    store = tmp_path / "s"
+    with ds.Store.open(store) as s:
+        a = s.save({"w": torch.ones(2)})
+        s.save({"w": torch.zeros(2)})
+        with pytest.raises(ds.ConflictError) as info:
+            s.save({"w": torch.full((2,), 2.0)}, parents=[a.id])  # would leave main's head reachable by no ref
+        s.branch("exp")
+    hint = HINT.search(str(info.value))
+    assert hint is not None and hint.group(1).startswith(f"datastates --store {store} tag keep-")
+    assert main(shlex.split(hint.group(1))[1:]) == 0
+    (store / "refs" / "heads" / "exp").write_text("garbage\n")
+    capsys.readouterr()
+    assert main(["--store", str(store), "branch"]) == 0
+    warned = HINT.search(capsys.readouterr().err)
+    assert warned is not None and warned.group(1) == f"datastates --store {store} fsck --repair"
+    assert main(shlex.split(warned.group(1))[1:]) == 0
+    with ds.Store.open(store) as s:
+        assert "exp" not in s.branches()

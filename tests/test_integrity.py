@@ -162,7 +162,7 @@ def test_record_with_no_intact_copy_is_a_typed_error_naming_the_file(tmp_path: P
     try:
         with pytest.raises(IntegrityError) as ei:
             s.version(ids[1])
-        assert str(rec) in str(ei.value) and "datastates fsck --repair" in str(ei.value)
+        assert str(rec) in str(ei.value) and f"`datastates --store {cold} fsck --repair`" in str(ei.value)
         assert s.load(ids[2])["w"][0].item() == 2.0  # the others are unaffected
     finally:
         s.close()
@@ -202,7 +202,7 @@ def test_damaged_ref_does_not_take_the_store_down(tmp_path: Path, damage: str) -
         assert s.resolve("main") == ids[2]
         with pytest.raises(IntegrityError) as ei:
             s.resolve("other")
-        assert str(ref) in str(ei.value) and "datastates fsck --repair" in str(ei.value)
+        assert str(ref) in str(ei.value) and f"`datastates --store {cold} fsck --repair`" in str(ei.value)
         rep = s.fsck()
         assert any("'other'" in p and "tier" in p for p in rep.problems)
         rep = s.fsck(repair=True)

@@ -492,13 +492,13 @@ def test_a_row_pointing_at_a_row_that_is_not_there_is_an_integrity_error(tmp_pat
         cols = m.load_columns()
         alias = cols["kind"].index("alias")
         cols["base"][alias] = bad  # the cached columns of the manifest a full load reads
-        with pytest.raises(ds.IntegrityError, match=f"points at row {bad} .*run `datastates fsck`"):
+        with pytest.raises(ds.IntegrityError, match=f"points at row {bad} .*run `datastates --store [^ ]+ fsck`"):
             s.load(v)
-        with pytest.raises(ds.IntegrityError, match=f"points at row {bad} .*run `datastates fsck`"):
+        with pytest.raises(ds.IntegrityError, match=f"points at row {bad} .*run `datastates --store [^ ]+ fsck`"):
             s.load(v, keys=["b"])  # a keyed load after a full one takes its rows from those columns
         # A keyed load with nothing decoded yet reads the row's values where they lie, and refuses the same.
         del m.__dict__["_load_columns"]
         m._load_arrays["base"] = pa.chunked_array([pa.array(cols["base"], type=pa.int32())])
-        with pytest.raises(ds.IntegrityError, match=f"points at row {bad} .*run `datastates fsck`"):
+        with pytest.raises(ds.IntegrityError, match=f"points at row {bad} .*run `datastates --store [^ ]+ fsck`"):
             s.load(v, keys=["b"])
         assert torch.equal(s.load(v, keys=["a"])["a"], t)

@@ -73,7 +73,7 @@ def test_unknown_or_partial_segment_key_raises_not_found(tmp_path: Path) -> None
     with ds.Store.open(tmp_path / "s") as store:
         v = store.save(_big_state())
         for key in ("layers.9999.weight", "layers.00", "layers.0001.weigh", "meta.lrs.2", "meta.lrs.01", "tied.a.x"):
-            with pytest.raises(ds.NotFoundError, match=f"has no key '{key}'.*datastates ls"):
+            with pytest.raises(ds.NotFoundError, match=f"has no key '{key}'.*`datastates --store {store.path} ls "):
                 store.load(v, keys=["layers.0001.weight", key])
         got = store.load(v, keys=["layers.0001"])  # a dotted prefix of a key names what lies under it
         assert list(got) == ["layers.0001.weight"]

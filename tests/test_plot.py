@@ -254,10 +254,13 @@ def test_lineage_marks_pruned_versions(tmp_path: Path) -> None:
 
 
 def test_plots_without_matplotlib_name_the_extra(trained: ds.Store, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "matplotlib.backends.backend_agg", None)
-    with pytest.raises(ds.DataStatesError, match=r"pip install 'datastates\[plot\]'") as info:
-        plot.norms(trained, "main")
-    assert isinstance(info.value, ImportError)
+    """plot.lineage imported matplotlib before its check: a bare ModuleNotFoundError (a traceback in the CLI)."""
+    for name in ("matplotlib", "matplotlib.backends.backend_agg", "matplotlib.collections"):
+        monkeypatch.setitem(sys.modules, name, None)
+    for draw in (lambda: plot.norms(trained, "main"), lambda: plot.lineage(trained)):
+        with pytest.raises(ds.DataStatesError, match=r"pip install 'datastates\[plot\]'") as info:
+            draw()
+        assert isinstance(info.value, ImportError)
     assert plot.norms_data(trained, "main").values  # the numbers need no matplotlib
 
 

@@ -79,3 +79,15 @@ def test_errors_come_back_typed(remote: ds.RemoteStore) -> None:
         remote.find("metrics.loss <")
     with pytest.raises(ds.NotFoundError):
         remote.load("main", keys=["model.no_such_key"])
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:1", "not a url", "ftp://example.invalid"])
+def test_no_answer_is_a_typed_error_naming_the_url(url: str) -> None:
+    """A refused connection or a URL httpx cannot send to raised httpx's own errors, no DataStatesError."""
+    from datastates.remote import RemoteError
+
+    with ds.RemoteStore(url) as remote:
+        for call in (lambda: remote.log("main"), lambda: remote.load("main")):
+            with pytest.raises(RemoteError, match=f"UNREACHABLE: no answer from {url} .*datastates serve") as info:
+                call()
+            assert info.value.code == "UNREACHABLE"

@@ -386,3 +386,26 @@ def test_a_cold_tier_without_its_config_is_refused_not_made_a_store_of_its_own(t
     (cold / "FORMAT").write_text(json.dumps(info, sort_keys=True))
     ds.Store.open(cold, hot=hot).close()
     assert json.loads((cold / "FORMAT").read_text()) == info | {"tier": "cold"}
+
+
+@pytest.mark.parametrize("cold, hot, how", [("same", "same", "is"), ("c", "c/hot", "is inside"), ("c/x", "c", "holds")])
+def test_a_hot_tier_that_is_or_nests_the_store_directory_is_refused(tmp_path: Path, cold: str, hot: str,
+                                                                    how: str) -> None:
+    """hot= the store directory itself was taken: FORMAT said cold, config.toml named it hot, and its one pack was
+    counted on both tiers with the catalog on the shared one."""
+    with pytest.raises(ds.InvalidArgumentError, match=f"hot tier .* {how} the store directory"):
+        ds.Store.open(tmp_path / cold, hot=tmp_path / hot)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_relative_hot_tier_is_kept_absolute_in_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.toml kept hot= as given: a process opening the store from another directory (the CLI, a server)
+    read a relative path there, and made and used another, empty hot tier."""
+    monkeypatch.chdir(tmp_path)
+    with ds.Store.open("cold", hot="hot") as s:
+        s.save({"w": torch.ones(2)})
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with ds.Store.open(tmp_path / "cold", create=False) as s:
+        assert s.hot.root == tmp_path / "hot" and s.load("main")["w"].tolist() == [1.0, 1.0]
+    assert not (tmp_path / "elsewhere" / "hot").exists()

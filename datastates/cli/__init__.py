@@ -8,6 +8,7 @@ nothing: demo, bench, serve).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
@@ -69,11 +70,33 @@ def _run(args: argparse.Namespace) -> int:
     if not args.store:
         print("datastates: no store given; pass --store PATH or set DATASTATES_STORE", file=sys.stderr)
         return 2
-    store = Store.open(args.store, create=getattr(args, "creates", False))
+    # Warnings (a damaged ref skipped by a listing) print as before, their message alone on stderr, with the
+    # hints in them naming the store as the errors' do.
+    warnings = logging.StreamHandler(sys.stderr)
+    warnings.setLevel(logging.WARNING)
+    warnings.addFilter(_NamingStore(args.store))
+    logger = logging.getLogger("datastates")
+    logger.addHandler(warnings)
     try:
-        return int(args.handler(store, args))
+        store = Store.open(args.store, create=getattr(args, "creates", False))
+        try:
+            return int(args.handler(store, args))
+        finally:
+            store.close()
     finally:
-        store.close()
+        logger.removeHandler(warnings)
+
+
+class _NamingStore(logging.Filter):
+    """Puts `--store STORE` into the command hints of a log record's message (see `with_store`)."""
+
+    def __init__(self, store: str) -> None:
+        super().__init__()
+        self.store = store
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = with_store(record.getMessage(), self.store), None
+        return True
 
 
 if __name__ == "__main__":

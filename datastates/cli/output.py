@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import re
-import shlex
 from typing import Any
 
-_HINT = re.compile("`" + r"datastates ([^`]*)`")  # split: tests/test_hints.py runs every `datastates ...` literal
+from ..errors import with_store
+
+__all__ = ["fmt", "print_json", "when", "with_store"]
+
 
 
 def when(t: float) -> str:
@@ -30,17 +30,3 @@ def fmt(x: Any, width: int = 10) -> str:
     return f"{x!s:>{width}}"
 
 
-def with_store(text: str, store: str | None) -> str:
-    """`text` with `--store STORE` put into each backquoted hint that is a datastates command, so that the
-    hint runs as given in the user's shell. Unchanged when `store` is what $DATASTATES_STORE already names
-    (or None), and for hints that name a store of their own."""
-    if not store or store == os.environ.get("DATASTATES_STORE"):
-        return text
-
-    def put(m: re.Match[str]) -> str:
-        rest = m.group(1)
-        if "--store" in rest.split() or rest.split()[:1] in (["demo"], ["bench"]):
-            return m.group(0)
-        return m.group(0).replace("datastates ", f"datastates --store {shlex.quote(store)} ", 1)
-
-    return _HINT.sub(put, text)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import InvalidArgumentError
 from ..meta.versions import Version
 from ..repo.repository import Repository
 from . import table
@@ -62,8 +63,11 @@ class Queries:
 
         Returns Versions (or the matching rows as a pyarrow Table). Raises QueryError with the offset,
         also for a field no version has (a typo: the message lists close matches) unless
-        `allow_missing`, which reads such a field as null.
+        `allow_missing`, which reads such a field as null; InvalidArgumentError for a query that is no string.
         """
+        if not isinstance(query, str):
+            raise InvalidArgumentError(f"query must be a string such as \"metrics.loss < 0.5\" (\"\" for every "
+                                       f"version), not {type(query).__name__}")
         rows = find(self.repo, self.versions_table(), query, allow_missing=allow_missing)
         if as_table:
             return rows

@@ -32,6 +32,17 @@ def _check_directory(path: Path, what: str) -> None:
             return  # a directory we may not stat: let the real open report it
 
 
+def _check_apart(root: Path, hot: Path) -> None:
+    """InvalidArgumentError when the hot tier is the store directory (the cold tier) or one holds the other: the
+    one directory would be both tiers, its packs counted twice and its catalog on the shared tier."""
+    cold, node = root.expanduser().resolve(), hot.resolve()
+    if cold == node or cold in node.parents or node in cold.parents:
+        how = "is" if cold == node else "is inside" if cold in node.parents else "holds"
+        raise InvalidArgumentError(
+            f"hot tier {str(hot)!r} {how} the store directory {str(root)!r}: the hot tier is a node-local directory "
+            "of its own (hot=/local/scratch/NAME), the store directory the shared cold tier")
+
+
 def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: int | None, verify: bool,
                     hot: str | os.PathLike[str] | None, hot_capacity: str | int | None, flush: Flush | None,
                     promote: bool | None) -> tuple[Repository, bool, bool]:
@@ -72,6 +83,11 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         repo = Repository(ObjectStore(tier, None, catalog, verify=verify), catalog, chunk_size=size)
         rebuild = not had_catalog and next(tier.iter_ids("versions", "json"), None) is not None
         return repo, rebuild, False
+    if hot is not None:
+        # Absolute in config.toml: a relative one read by a process in another directory (the CLI, a server)
+        # named another, empty hot tier, which that process then used.
+        hot_dir = os.path.abspath(Path(hot).expanduser())
+        _check_apart(root, Path(hot_dir))
     cfg = TierConfig(hot=str(Path(hot_dir).expanduser()),
                      hot_capacity=tier_config.parse_size(hot_capacity) if hot_capacity is not None
                      else (saved.hot_capacity if saved else None),
