@@ -262,6 +262,8 @@ class Store(Queries):
 
     def _record_error(self, job: SaveJob, exc: BaseException) -> None:
         self.repo.objects.unpin(job.pins)
+        if job.capture_raised:
+            return  # the caller got it from save_async itself; the next call must not raise it again
         with self._lock:
             self._errors.append(exc)
 

@@ -792,3 +792,28 @@ def test_an_optimizer_that_is_none_is_refused_and_the_next_save_works(tmp_path: 
         assert store.branches() == {}
         v = store.save({"m": model}, step=1)
         assert store.log()[0].id == v.id and torch.equal(store.load()["m"]["weight"], model.weight.detach())
+
+
+def test_a_copy_interrupted_on_the_callers_thread_is_reported_once(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KeyboardInterrupt during save_async's copy reached the caller, and then came back as SaveFailedError
+    ('the first: KeyboardInterrupt()') from the next save or from close(), failing a `with` block's exit."""
+    from datastates.save import capture as capture_module
+
+    hand_over = capture_module._hand_over
+    calls: list[int] = []
+
+    def interrupted(*args: Any, **kw: Any) -> Any:
+        if not calls:
+            calls.append(1)
+            raise KeyboardInterrupt
+        return hand_over(*args, **kw)
+
+    monkeypatch.setattr(capture_module, "_hand_over", interrupted)
+    with Store.open(tmp_path / "s") as store:
+        with pytest.raises(KeyboardInterrupt):
+            store.save_async({"w": torch.ones(1000)}, step=1)
+        store.wait()  # raised SaveFailedError for the save the caller already saw fail
+        assert store.branches() == {}
+        v = store.save({"w": torch.zeros(3)}, step=2)
+        assert [x.id for x in store.log()] == [v.id]

@@ -73,8 +73,8 @@ class CudaStaging:
 
 
 def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, order: CaptureOrder | None = None,
-            borrow: bool = False, plans: dict[Any, list[SlotPlan]] | None = None, copier: Copier | None = None
-            ) -> None:
+            borrow: bool = False, plans: dict[Any, list[SlotPlan]] | None = None, copier: Copier | None = None,
+            on_caller: bool = False) -> None:
     """Copy every stored byte of the job into pool slots, handing each full slot to the pipeline.
 
     With `borrow` (a synchronous save: the caller waits until the version is durable, so its
@@ -87,6 +87,7 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
 
     The job is laid out first (`plan`: which piece goes where in which slot) and then copied slot by slot;
     CUDA pieces are copied by `cuda` (see `CudaStaging`); host pieces share their copies with `copier` when given.
+    `on_caller`: this runs on the caller's thread, which hears of a failure from this call itself.
     `plans`, when given, keeps that layout for host-only jobs whose rows and byte views are the very same objects' (a
     cached flatten, `FlattenCache`): a repeated capture then only splits each slot and copies. `Layouts` marked
     `unbound` (a kept flatten of new tensor objects every save) keep it without its byte views, and each capture
@@ -148,6 +149,7 @@ def capture(job: SaveJob, pool: BufferPool, cuda: CudaStaging | None = None, ord
             torch.cuda.current_stream().wait_stream(cuda.stream)
     except BaseException as exc:
         job.capture_error = exc
+        job.capture_raised = on_caller  # before the pipeline can fail the job (the end marker goes in below)
         job.handle._capture_error = exc
         raise
     finally:

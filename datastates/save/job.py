@@ -181,6 +181,9 @@ class SaveJob:
     bytes_new: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     capture_error: BaseException | None = None
+    capture_raised: bool = False
+    """The capture failed on the caller's thread and raised there (a sync save, or a KeyboardInterrupt during a
+    copy): the caller has heard of it, so the store does not report it again with the next call."""
     committed: bool = False
     """The catalog names this version: its packs must never be deleted, whatever fails after."""
     ticket: int = 0

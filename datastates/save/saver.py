@@ -130,7 +130,7 @@ class Saver:
             # A sync save's copies race its hashing workers for the cores, and a faster capture only fills more of
             # the pool ahead of the writer (small x1: 176 -> 400 MiB of slots): the copier serves the others.
             capture(job, self.pool, cuda, self._capture_order, borrow=borrow and job.dist is None, plans=plans,
-                    copier=None if overlap else self.copier)
+                    copier=None if overlap else self.copier, on_caller=True)
         job.timings["blocking_s"] = time.perf_counter() - t_call
         return handle
 
