@@ -145,7 +145,11 @@ def test_truncated_pack_index(two_versions: Any) -> None:
     with open(w.pack_path, "r+b") as f:
         f.truncate(size - 5)  # the footer is gone, the chunk bodies are intact
     rep = s.fsck(repair=True)
-    assert not rep.ok and any(w.loc.pack in p for p in rep.problems)
+    assert not rep.ok
+    # fsck's report said "run `datastates fsck`" of the pack, which is what ran: it says what can be done instead
+    found = [p for p in rep.problems if w.loc.pack in p]
+    assert found == [f"pack {w.loc.pack} has a damaged footer (on tier {s.tier.name}; restore the pack file from "
+                     "a backup)"]
     assert w.pack_path.exists()  # repair does not delete a pack that committed versions need
     assert_same(s.load(v1)["b"], t["b"])  # bodies verified by blake3 on read
 
@@ -200,3 +204,15 @@ def test_zstd_corruption_fsck(zstd_version: Any) -> None:
     flip(w.pack_path, w.loc.offset)
     rep = s.fsck()
     assert [c["chunk"] for c in rep.corrupt_chunks] == [w.chunk.hex()]
+
+
+def test_a_store_without_its_format_file_says_so(tmp_path: Path) -> None:
+    """A store whose FORMAT was deleted was called 'not empty and holds no datastates store; pick an empty
+    directory', which sends the user away from their versions."""
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"w": torch.ones(2)})
+    (tmp_path / "s" / "FORMAT").unlink()
+    with pytest.raises(ds.StoreFormatError, match="holds a store's manifests/, packs/, versions/ but its FORMAT file "
+                                                  "is missing: put it back"):
+        ds.Store.open(tmp_path / "s")
+    assert not (tmp_path / "s" / "FORMAT").exists()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -220,7 +221,11 @@ def _check_tier_packs(store: Repository, tier: Tier, rep: FsckReport, live: set[
         try:
             idx = read_index(path)
         except (IntegrityError, OSError) as exc:
-            rep.problems.append(f"{exc} (on tier {tier.name})")
+            # The read's own hint says to run fsck, which is what is running: say what repair can do instead.
+            what = re.sub(r"; run `datastates fsck[^`]*`", "", str(exc))
+            mend = ("`datastates fsck --repair` puts back an intact copy from the other tier if it has one"
+                    if len(store.tiers) > 1 else "restore the pack file from a backup")
+            rep.problems.append(f"{what} (on tier {tier.name}; {mend})")
             bad.add(pack)
             continue
         live.add(pack)

@@ -52,6 +52,12 @@ class Tier:
             # A store's creator writes FORMAT before anything else: what the listing saw was made after it by a
             # process that created the store since our first look (four ranks opening one new store at once).
             if not f.exists():
+                kept = sorted(p.name for p in self.root.iterdir() if p.name in ("versions", "packs", "manifests"))
+                if kept:  # a store that lost its FORMAT: never taken for a new one, nor for no store at all
+                    raise StoreFormatError(
+                        f"{self.root} holds a store's {', '.join(f'{k}/' for k in kept)} but its FORMAT file is "
+                        "missing: put it back from a backup or the other tier (docs/format.md section 2 gives its "
+                        "one line, with this store's chunk_size)")
                 raise StoreFormatError(
                     f"{self.root} is not empty and holds no datastates store (no FORMAT file); pick an empty directory"
                 )
