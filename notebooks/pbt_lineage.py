@@ -43,8 +43,11 @@ from datastates.pbt import Population
 
 # The toy lives with the docs (it is also a script); find it from wherever the notebook runs in the repo.
 here = Path.cwd()
-toy_path = next(p / "docs/examples/pbt_toy.py" for p in (here, *here.parents)
-                if (p / "docs/examples/pbt_toy.py").exists())
+found = [p / "docs/examples/pbt_toy.py" for p in (here, *here.parents) if (p / "docs/examples/pbt_toy.py").exists()]
+if not found:  # run from outside the repository (a bare StopIteration before)
+    raise SystemExit(f"docs/examples/pbt_toy.py is not in {here} or above it: run this notebook from the "
+                     "datastates repository (its root or a folder in it)")
+toy_path = found[0]
 spec = importlib.util.spec_from_file_location("pbt_toy", toy_path)
 assert spec is not None and spec.loader is not None
 pbt_toy = importlib.util.module_from_spec(spec)
