@@ -708,4 +708,20 @@ for _name in dir(Store):
     if not _name.startswith("_") and inspect.isfunction(_attr):
         setattr(Store, _name, _naming_the_store(_attr))
 
+
+def _opening_names_the_store(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def call(cls: type[Store], path: Any, *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(cls, path, *args, **kw)
+        except DataStatesError as exc:
+            if isinstance(path, (str, os.PathLike)):
+                name_store(exc, os.fspath(path))  # (a CatalogDamagedError's `datastates fsck --repair`)
+            raise
+
+    return call
+
+
+Store.open = classmethod(_opening_names_the_store(Store.open.__func__))  # type: ignore[method-assign,assignment,attr-defined]
+
 __all__ = ["Store", "DataStatesError"]

@@ -26,6 +26,13 @@ def get_store(request: Request) -> ds.Store:
     store: ds.Store | None = getattr(request.app.state, "store", None)
     if store is None:
         raise ApiError(503, "UNAVAILABLE", "the store is not open yet; retry in a moment")
+    # Two stats per request: with the files gone from under the server, every route answers 503 as /healthz
+    # does (a ref read found nothing and answered 404 "not a branch", a listing answered from its cache).
+    root = store.repo.tier.root
+    for needed in (root / "FORMAT", root / "catalog" / "data.mdb"):
+        if not needed.is_file():
+            raise ApiError(503, "UNAVAILABLE", f"the store's {needed.relative_to(root)} is missing from {root}: the "
+                           "store was moved or deleted under the server; restore it, or restart the server on it")
     return store
 
 

@@ -7,6 +7,9 @@ Every error answer, whatever raised it, is
 from __future__ import annotations
 
 import logging
+import os
+import re
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -72,15 +75,23 @@ def classify(exc: BaseException) -> tuple[int, str]:
 
 
 def _without_paths(message: str, store: ds.Store | None) -> str:
-    """`message` with the server's own directories (each tier's root) written as `<store>`, `<hot tier>` or
-    `<cold tier>`: a client learns which file, not where the server keeps it (the server's log keeps them)."""
+    """`message` without the server's own directories: each tier's root (as given and absolute) written as
+    `<store>`, `<hot tier>` or `<cold tier>` where it stands as a whole path, and the `--store PATH` the Store's
+    hints carry taken out (a client runs no command on the server's disk). A client learns which file, not where
+    the server keeps it; the server's log keeps the full text."""
     if store is None:
         return message
+    message = _STORE_OPTION.sub("`datastates ", message)
     tiers = store.repo.tiers
     names = {store.path: "<store>"} | ({t.root: f"<{t.name} tier>" for t in tiers} if len(tiers) > 1 else {})
-    for root, name in sorted(names.items(), key=lambda kv: -len(str(kv[0]))):  # longest first: nested roots
-        message = message.replace(str(root), name)
+    spelled = {str(p): name for root, name in names.items() for p in (root, Path(os.path.abspath(root)))}
+    for root in sorted(spelled, key=len, reverse=True):  # longest first: nested roots
+        # A whole path only: not the "data" in "datastates" of a server run on a store named data
+        message = re.sub(rf"(?<![\w.~/-]){re.escape(root)}(?![\w.-])", spelled[root], message)
     return message
+
+
+_STORE_OPTION = re.compile(r"`datastates --store (?:'[^']*'|\S+) ")
 
 
 def _rid(request: Request) -> str | None:

@@ -762,6 +762,9 @@ if pid == 0:  # exits through the interpreter's normal shutdown, as a multiproce
         except ds.StoreClosedError as exc:
             print("child: StoreClosedError", "forked from it" in str(exc))
     st.close()
+    again = ds.Store.open(sys.argv[1])  # as the error says: its own LMDB environment, not the parent's
+    print("child: reopened", again.catalog.env is not st.catalog.env, again.branches())  # the parent's is in flight
+    again.close()
     sys.exit(0)
 _, status = os.waitpid(pid, 0)
 gate.set()
@@ -779,7 +782,8 @@ def test_a_forked_child_neither_hangs_at_exit_nor_uses_the_parents_store(tmp_pat
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "s")], capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["child: StoreClosedError True"] * 3 + ["parent: 0 1 [1]"]
+    assert out.stdout.splitlines() == ["child: StoreClosedError True"] * 3 + ["child: reopened True {}",
+                                                                              "parent: 0 1 [1]"]
 
 
 def test_an_optimizer_that_is_none_is_refused_and_the_next_save_works(tmp_path: Path) -> None:

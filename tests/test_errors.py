@@ -461,3 +461,32 @@ def test_a_path_or_query_of_another_type_is_a_typed_error(tmp_path: Path) -> Non
         s.save({"w": torch.ones(1)})
         with pytest.raises(ds.InvalidArgumentError, match="query must be a string"):
             s.find(None)  # type: ignore[arg-type]
+
+
+def test_a_transaction_ended_by_the_collector_under_the_open_lock_does_not_deadlock(tmp_path: Path) -> None:
+    """The collector may end an abandoned generator's read transaction on a thread that holds the lock of
+    Catalog's open (it allocates there): the catalog, closed meanwhile, then let its file go under that lock, which
+    the thread was holding already, and waited for itself for ever."""
+    import threading
+
+    from datastates.meta import catalog as catalog_module
+
+    s = ds.Store.open(tmp_path / "s")
+    s.save({"w": torch.ones(4)})
+    catalog = s.catalog
+    chunks = catalog.iter_chunks()
+    next(chunks)  # a transaction in flight
+    key = catalog._key
+    s.close()  # the file goes when that transaction ends
+
+    def end_it_under_the_lock() -> None:
+        with catalog_module._OPEN_LOCK:
+            chunks.close()  # as the collector would, inside Catalog.__init__
+
+    t = threading.Thread(target=end_it_under_the_lock, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive()
+    for closer in [x for x in threading.enumerate() if x.name == "datastates-catalog-close"]:
+        closer.join(30)
+    assert key not in catalog_module._OPEN  # let go once the lock was free

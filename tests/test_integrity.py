@@ -238,7 +238,7 @@ def test_truncated_catalog_is_typed_error_and_repair_rebuilds(tmp_path: Path, ti
             "except ds.DataStatesError as e:\n print(type(e).__name__, e); sys.exit(3)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 3, r.stderr
-    assert "CatalogDamagedError" in r.stdout and "datastates fsck --repair" in r.stdout
+    assert "CatalogDamagedError" in r.stdout and f"`datastates --store {cold} fsck --repair`" in r.stdout
     with pytest.raises(CatalogDamagedError):
         open_store(cold, hot)
     assert cli_main(["fsck", "--repair", "--store", str(cold)]) == 0

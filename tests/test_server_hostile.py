@@ -259,5 +259,27 @@ def test_damage_under_a_running_server_is_a_typed_answer(template: Path, tmp_pat
             r = httpx.get(srv.url + "/healthz", timeout=30)
             assert error(r) == (503, "UNAVAILABLE") and "moved or deleted" in r.json()["error"]["message"]
             assert "FORMAT is missing from <store>" in r.json()["error"]["message"] and str(store) not in r.text
+            for path in ("/versions/main/tensors/model.fc.weight", "/versions", "/branches/main"):
+                # they answered 404 "not a branch" or from the cached table
+                assert error(httpx.get(srv.api + path, timeout=30)) == (503, "UNAVAILABLE"), path
         finally:
             (tmp_path / "moved").rename(store)
+
+
+def test_paths_are_taken_out_of_messages_as_whole_paths_and_hints_lose_their_store(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Served from a store named `data`, a message's `datastates log` became `<store>states log` (the name replaced
+    inside a word); the hints' `--store /server/path` (which the Store adds for Python callers) reached clients."""
+    from server.errors import _without_paths
+
+    monkeypatch.chdir(tmp_path)
+    with ds.Store.open("data") as store:
+        store.save({"w": torch.ones(1)})
+        with pytest.raises(ds.NotFoundError) as info:
+            store.load("main", keys=["nokey"])
+        assert "`datastates --store data ls " in str(info.value)
+        shown = _without_paths(str(info.value), store)
+        assert "`datastates ls " in shown and "<store>" not in shown and "--store" not in shown
+        message = f"ref file data/refs/heads/x and {tmp_path}/data/packs/p.pack; /elsewhere/data/x; `datastates log`"
+        assert _without_paths(message, store) == ("ref file <store>/refs/heads/x and <store>/packs/p.pack; "
+                                                  "/elsewhere/data/x; `datastates log`")

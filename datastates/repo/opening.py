@@ -33,14 +33,13 @@ def _check_directory(path: Path, what: str) -> None:
 
 
 def _check_apart(root: Path, hot: Path) -> None:
-    """InvalidArgumentError when the hot tier is the store directory (the cold tier) or one holds the other: the
-    one directory would be both tiers, its packs counted twice and its catalog on the shared tier."""
-    cold, node = root.expanduser().resolve(), hot.resolve()
-    if cold == node or cold in node.parents or node in cold.parents:
-        how = "is" if cold == node else "is inside" if cold in node.parents else "holds"
+    """InvalidArgumentError when the hot tier is the store directory (the cold tier): the one directory would be
+    both tiers, its packs counted twice and its catalog on the shared tier. (A hot tier inside the store
+    directory, or around it, was taken before and still is.)"""
+    if root.expanduser().resolve() == hot.resolve():
         raise InvalidArgumentError(
-            f"hot tier {str(hot)!r} {how} the store directory {str(root)!r}: the hot tier is a node-local directory "
-            "of its own (hot=/local/scratch/NAME), the store directory the shared cold tier")
+            f"hot tier {str(hot)!r} is the store directory {str(root)!r}: the hot tier is a node-local directory of "
+            "its own (hot=/local/scratch/NAME), the store directory the shared cold tier")
 
 
 def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: int | None, verify: bool,
