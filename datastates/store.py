@@ -126,8 +126,9 @@ class Store(Queries):
     """A versioned model-state store rooted at a directory. Use `Store.open`.
 
     A process forked from the one that opened it (a DataLoader or multiprocessing worker) does not share its
-    threads or its catalog: there every call raises StoreClosedError (open the store again in the child), and
-    the child's exit waits for none of the parent's saves."""
+    threads or its catalog: there every call raises StoreClosedError, and so does opening the store again (LMDB
+    allows one open of a file per process, and the parent's is inherited: use a 'spawn' process), and the child's
+    exit waits for none of the parent's saves."""
 
     def __init__(self, repo: Repository, *, pool_bytes: int, zstd_level: int, workers: int) -> None:
         self.repo = repo

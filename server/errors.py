@@ -91,7 +91,9 @@ def _without_paths(message: str, store: ds.Store | None) -> str:
     return message
 
 
-_STORE_OPTION = re.compile(r"`datastates --store (?:'[^']*'|\S+) ")
+_STORE_OPTION = re.compile(r"`datastates --store (?:'[^']*'|\"[^\"]*\"|[^\s'\"`]+)+ ")
+"""The `--store PATH` of a hint, PATH one shell word as shlex.quote writes it (quoted runs and plain ones joined:
+`'/a/it'"'"'s'`)."""
 
 
 def _rid(request: Request) -> str | None:

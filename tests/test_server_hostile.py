@@ -280,6 +280,8 @@ def test_paths_are_taken_out_of_messages_as_whole_paths_and_hints_lose_their_sto
         assert "`datastates --store data ls " in str(info.value)
         shown = _without_paths(str(info.value), store)
         assert "`datastates ls " in shown and "<store>" not in shown and "--store" not in shown
+        quoted = "`datastates --store '/srv/my dir/it'\"'\"'s' ls 6dec24c79fa0`"  # shlex.quote of a path with ' in it
+        assert _without_paths(quoted, store) == "`datastates ls 6dec24c79fa0`"
         message = f"ref file data/refs/heads/x and {tmp_path}/data/packs/p.pack; /elsewhere/data/x; `datastates log`"
         assert _without_paths(message, store) == ("ref file <store>/refs/heads/x and <store>/packs/p.pack; "
                                                   "/elsewhere/data/x; `datastates log`")

@@ -27,7 +27,7 @@ from ..errors import (
     PrunedError,
     StoreClosedError,
 )
-from ..meta.catalog import Catalog
+from ..meta.catalog import Catalog, forked_child_error
 from ..meta.graph import CatalogGraph, missing_version, unreached
 from ..meta.refs import HEX_ID, RefStore, check_name
 from ..meta.versions import (
@@ -129,10 +129,7 @@ class Repository:
             raise self._forked()
 
     def _forked(self) -> StoreClosedError:
-        return StoreClosedError(
-            f"store {self.path} was opened by process {self.pid}, and this is a child forked from it, which shares "
-            "none of its threads and may not use its catalog (LMDB forbids it): open the store again in this "
-            "process with Store.open")
+        return forked_child_error(self.path)
 
     # refs -------------------------------------------------------------------------------
     def resolve(self, ref: Any) -> str:
