@@ -308,6 +308,8 @@ def test_a_pack_file_in_use_is_not_closed_under_its_read(tmp_path: Path) -> None
         os.fstat(fd)  # closed once its read ended
     with pytest.raises(ds.StoreClosedError):
         reader._acquire(pb)
+    with pytest.raises(ds.StoreClosedError):
+        reader.map(pb)  # a mapping after close was made as if the store were open
 
 
 # --------------------------------------------------------------------------- loading into live objects

@@ -737,3 +737,22 @@ def test_annotations_after_flush_reach_the_cold_tier(tmp_path: Path) -> None:
         assert s.version(ids[2]).annotations == {"note": "late"}
     finally:
         s.close()
+
+
+def test_log_first_parent_names_no_boundary_it_never_reached(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`datastates log --first-parent` printed the 'history goes on past' line for a merge's second parent that
+    this node lacks, though the first-parent walk never went there."""
+    s = ds.Store.open(tmp_path / "s")
+    a = s.save({"w": torch.zeros(2)}, step=1)
+    b = s.save({"w": torch.ones(2)}, branch="side", parents=[a.id], step=2)
+    m = s.save({"w": torch.full((2,), 2.0)}, parents=[a.id, b.id], step=3)
+    s.delete_branch("side", force=True)
+    s.catalog.drop_version(b.id, [a.id])  # as a node whose flush policy never got it
+    s.close()
+    capsys.readouterr()
+    assert cli_main(["log", "--first-parent", "--store", str(tmp_path / "s")]) == 0
+    assert "history goes on" not in capsys.readouterr().out
+    assert cli_main(["log", "--store", str(tmp_path / "s")]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith(f"(history goes on past {m.short}: its parent "
+                                                               f"{b.id[:12]} is not on this node")

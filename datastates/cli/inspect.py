@@ -70,7 +70,8 @@ def _log(store: Store, args: argparse.Namespace) -> int:
         tail = "  ".join(x for x in (metrics, v.message, " ".join(deco)) if x)
         print(f"{v.short}  {when(v.created)}  {step:>8}  {human_bytes(v.bytes_new):>10}  {tail}".rstrip())
     graph = store.repo.graph
-    absent = [(v, p) for v in versions for p in v.parents if not graph.has(p)]
+    followed = (lambda v: v.parents[:1]) if args.first_parent else (lambda v: v.parents)
+    absent = [(v, p) for v in versions for p in followed(v) if not graph.has(p)]
     for v, p in absent:  # where the walk ended early, as git marks a shallow clone's boundary
         print(with_store(f"(history goes on past {v.short}: its parent {p[:12]} is not on this node; "
                          "`datastates fsck` says why)", args.store))

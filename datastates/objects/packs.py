@@ -364,7 +364,10 @@ class PackReader:
         """A private, copy-on-write mapping of the whole pack (writes to it stay in this process and never reach
         the file), or None when the pack is missing, empty or cannot be mapped (a file system without mmap).
         The mapping outlives the file's deletion (gc, eviction, a repair's replacement: packs are never changed
-        in place, only written whole and renamed or removed), so it stays readable as long as anything views it."""
+        in place, only written whole and renamed or removed), so it stays readable as long as anything views it.
+        Raises StoreClosedError after `close`."""
+        if self._closed:
+            raise StoreClosedError(f"store {self.directory.parent} is closed; open it again with Store.open")
         try:
             fd = os.open(self.directory / f"{pack}.pack", os.O_RDONLY)
         except OSError:
