@@ -98,6 +98,11 @@ class PrunedError(DataStatesError):
 class StoreClosedError(DataStatesError):
     """The store was closed; open it again to use it."""
 
+    @classmethod
+    def of(cls, store: object) -> StoreClosedError:
+        """The error for a call on the closed store at `store` (its directory)."""
+        return cls(f"store {store} is closed; open it again with Store.open")
+
 
 class SaveFailedError(DataStatesError):
     """A background save failed; the cause is chained as __cause__."""

@@ -174,7 +174,7 @@ class Store(Queries):
         `path` alone (CLI, server) sees the same tiers.
         Raises StoreFormatError for a newer format or a non-store directory,
         NotFoundError when `create=False` and nothing is there, InvalidArgumentError
-        for a path that is none, a hot tier that is or nests the store directory, or a chunk size, pool size or
+        for a path that is none, a hot tier that is the store directory, or a chunk size, pool size or
         worker count out of range. A missing
         catalog is rebuilt from the tier files.
         `comm` (an mpi4py communicator, a torch.distributed group or "torch") makes saves collective:

@@ -212,7 +212,7 @@ class Catalog:
         thread gets that, never an lmdb.Error from a handle closed under it)."""
         with self._use:
             if self._closed:
-                raise StoreClosedError(f"store {self.path.parent} is closed; open it again with Store.open")
+                raise StoreClosedError.of(self.path.parent)
             self._in_flight += 1
         try:
             return _Transaction(self, self.env.begin(write=write, db=db))

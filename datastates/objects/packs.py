@@ -274,7 +274,7 @@ class PackReader:
         StoreClosedError (after `close`)."""
         with self._lock:
             if self._closed:
-                raise StoreClosedError(f"store {self.directory.parent} is closed; open it again with Store.open")
+                raise StoreClosedError.of(self.directory.parent)
             fd = self._fds.get(pack)
             if fd is not None:
                 self._fds.move_to_end(pack)
@@ -367,7 +367,7 @@ class PackReader:
         in place, only written whole and renamed or removed), so it stays readable as long as anything views it.
         Raises StoreClosedError after `close`."""
         if self._closed:
-            raise StoreClosedError(f"store {self.directory.parent} is closed; open it again with Store.open")
+            raise StoreClosedError.of(self.directory.parent)
         try:
             fd = os.open(self.directory / f"{pack}.pack", os.O_RDONLY)
         except OSError:

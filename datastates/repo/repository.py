@@ -116,7 +116,7 @@ class Repository:
     def check_open(self) -> None:
         """StoreClosedError once closing has started (for the calls that begin something), and in a forked child."""
         if self.closed:
-            raise StoreClosedError(f"store {self.path} is closed; open it again with Store.open")
+            raise StoreClosedError.of(self.path)
         if os.getpid() != self.pid:
             raise self._forked()
 
@@ -124,7 +124,7 @@ class Repository:
         """StoreClosedError once the catalog is let go (for reads: the drain of a closing store still reads), and in
         a forked child."""
         if self.released:
-            raise StoreClosedError(f"store {self.path} is closed; open it again with Store.open")
+            raise StoreClosedError.of(self.path)
         if os.getpid() != self.pid:
             raise self._forked()
 
