@@ -20,6 +20,7 @@ from .errors import (
     NotFoundError,
     PrunedError,
     QueryError,
+    ReadOnlyStoreError,
     SaveFailedError,
     ShapeMismatchError,
     StorageFullError,
@@ -56,8 +57,8 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AmbiguousRefError", "CommTimeoutError", "ConflictError", "DataStatesError", "DeviceError", "Flush",
     "IntegrityError",
-    "InvalidArgumentError", "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "RemoteStore",
-    "SaveFailedError",
+    "InvalidArgumentError", "InvalidNameError", "NotFoundError", "PrunedError", "QueryError", "ReadOnlyStoreError",
+    "RemoteStore", "SaveFailedError",
     "SaveHandle", "ShapeMismatchError", "StorageFullError", "Store", "StoreClosedError", "StoreFormatError",
     "TensorInfo", "UnsupportedValueError", "Version", "__version__",
     "CheckpointManager", "import_checkpoints", "export",

@@ -104,6 +104,11 @@ class StoreClosedError(DataStatesError):
         return cls(f"store {store} is closed; open it again with Store.open")
 
 
+class ReadOnlyStoreError(DataStatesError, PermissionError):
+    """A call that writes, on a store opened read-only: `Store.open(..., read_only=True)`, or a store this user may
+    not write to (opened read-only by itself). Nothing was changed; the message says how to get write access."""
+
+
 class SaveFailedError(DataStatesError):
     """A background save failed; the cause is chained as __cause__."""
 

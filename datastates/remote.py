@@ -26,6 +26,7 @@ _ERRORS: dict[str, type[E.DataStatesError]] = {
     "INVALID_NAME": E.InvalidNameError, "INVALID_ARGUMENT": E.InvalidArgumentError, "CONFLICT": E.ConflictError,
     "PRUNED": E.PrunedError, "UNSUPPORTED_VALUE": E.UnsupportedValueError, "INTEGRITY_ERROR": E.IntegrityError,
     "STORAGE_FULL": E.StorageFullError, "UNAVAILABLE": E.StoreClosedError,
+    "READ_ONLY": E.ReadOnlyStoreError,
 }
 _NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 

@@ -32,6 +32,7 @@ import torch
 from .base.comm import Comm, SingleComm, as_comm
 from .base.config import Flush, TierConfig
 from .errors import (
+    ArgumentTypeError,
     DataStatesError,
     InvalidArgumentError,
     PrunedError,
@@ -110,6 +111,10 @@ def _open_in_turn(job: Comm, opening: Any, hot: str | os.PathLike[str] | None) -
     return out
 
 
+_NO_REF: Any = object()
+"""`Store.annotate`'s version when none is given positionally."""
+
+
 class _Part(Generic[T]):
     """A part of the repository seen on the facade, read-only: `Store.catalog` is `store.repo.catalog`."""
 
@@ -160,7 +165,7 @@ class Store(Queries):
              pool_bytes: int | None = None, verify: bool = True, zstd_level: int = 0, workers: int = 2,
              hot: str | os.PathLike[str] | None = None, hot_capacity: str | int | None = None,
              flush: Flush | None = None, promote: bool | None = None, reuse_unchanged: bool = False,
-             comm: Any = None, partner: bool = False) -> Store:
+             comm: Any = None, partner: bool = False, read_only: bool = False) -> Store:
         """Open (and by default create) the store at `path`.
 
         With `hot=DIR`, `path` is the cold tier (shared, the truth) and DIR the
@@ -185,6 +190,10 @@ class Store(Queries):
         `partner=True` (SCR's PARTNER): before a version is visible, each rank's packs are also copied
         to the hot tier of a rank on another node; raises InvalidArgumentError with one node or
         without `hot=`.
+        `read_only=True` (and a store whose catalog this user may not write, which opens so by itself, as `git
+        log` works in a repository one may only read): loads and queries work, nothing is written, and every
+        call that would write (save, branch, tag, annotate, fork, prune, gc, fsck --repair) raises
+        ReadOnlyStoreError. No refresh from cold and no flusher then; `store.read_only` says which it is.
         """
         for name, value in (("path", path), ("hot", hot)):
             if not isinstance(value, (str, os.PathLike)) and not (name == "hot" and value is None):
@@ -194,6 +203,10 @@ class Store(Queries):
             raise InvalidArgumentError(f"pool_bytes {pool_bytes} must be positive (or None: a share of RAM)")
         if workers < 1:
             raise InvalidArgumentError(f"workers {workers} must be 1 or more")
+        read_only = check_flag(read_only, "read_only")
+        if partner and read_only:
+            raise InvalidArgumentError("partner=True copies packs to other nodes at every save; a read_only store "
+                                       "saves nothing: drop one of them")
         if partner and hot is None:
             raise InvalidArgumentError("partner=True copies each rank's packs to another node's hot tier; "
                                        "open with hot=NODE_LOCAL_DIR (and the shared store as the path)")
@@ -203,19 +216,19 @@ class Store(Queries):
         if job.size > 1 and hot is not None:
             restore_lost_nodes(job, Path(hot), partner=partner)
         opening = partial(open_repository, path, create=create, chunk_size=chunk_size, verify=verify, hot=hot,
-                          hot_capacity=hot_capacity, flush=flush, promote=promote)
+                          hot_capacity=hot_capacity, flush=flush, promote=promote, read_only=read_only)
         repo, rebuild, cold_ok = opening() if job.size == 1 else _open_in_turn(job, opening, hot)
         store = cls(repo, pool_bytes=pool_bytes or default_pool_bytes(), zstd_level=zstd_level, workers=workers)
         if rebuild:
             from .maintenance.fsck import rebuild_catalog
 
             rebuild_catalog(repo)
-        if cold_ok:
+        if cold_ok and not repo.read_only:
             try:
                 store.refresh()  # refs (and versions) other processes published to cold
             except OSError as exc:
                 log.warning("cold tier %s unreadable at open (%s); working from hot", repo.root, exc)
-        if repo.cold is not None:
+        if repo.cold is not None and not repo.read_only:
             # a job of many ranks flushes in parallel: each rank its own packs, rank 0 publishes
             store.flusher = Flusher(repo, "all" if job.size == 1 else "publisher" if job.rank == 0 else "part")
             store.flusher.resume()
@@ -245,6 +258,12 @@ class Store(Queries):
     chunk_size: _Part[int] = _Part("chunk_size")
     verify: _Part[bool] = _Part("verify")
     graph: _Part[CatalogGraph] = _Part("graph")
+
+    @property
+    def read_only(self) -> bool:
+        """Opened read-only (`read_only=True`, or a store this user may not write): calls that write raise
+        ReadOnlyStoreError."""
+        return self.repo.read_only
 
     @property
     def pool(self) -> BufferPool:
@@ -358,7 +377,7 @@ class Store(Queries):
         `force`), SaveFailedError for an earlier failed background save.
         """
         t_call = time.perf_counter()
-        self._check_open()
+        self.repo.check_writable()
         self._raise_pending()
         if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
             raise InvalidArgumentError(
@@ -394,7 +413,7 @@ class Store(Queries):
         Returns a future of the pool's bytes once grown (`result()` waits for it). Raises StoreClosedError,
         UnsupportedValueError for a state `save_async` would refuse (nothing is allocated then); the future
         raises what the allocation raises (out of memory, a refused pinned allocation)."""
-        self._check_open()
+        self.repo.check_writable()
         return self._saver.reserve(state, allow_pickle=allow_pickle)
 
     def _commit(self, job: SaveJob) -> Version | Staged:
@@ -431,7 +450,7 @@ class Store(Queries):
         """For storage plugins (DCP): write `state`'s chunks and manifest and describe them, making
         nothing visible; `commit_staged` then names the parts of every rank in one version.
         Raises what `save` raises before writing."""
-        self._check_open()
+        self.repo.check_writable()
         self._raise_pending()
         request = save_request(self.resolve, branch=None, parents=None, step=None, epoch=None, hparams=None,
                                metrics=None, message="", fork_of=None, explore=None) | {"stage": True}
@@ -446,7 +465,7 @@ class Store(Queries):
         """One version naming staged parts (manifest key -> part, e.g. {"0": ..., "1": ...}), saved by
         `world_size` ranks. Raises what `save` raises for its arguments (`force` as there), before anything is
         written."""
-        self._check_open()
+        self.repo.check_writable()
         request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=None, hparams=hparams,
                                metrics=metrics, message=message, fork_of=None, explore=None, force=force)
         vid, to_flush = make_staged_visible(parts, request, world_size=world_size, tier=self.tier, refs=self.refs,
@@ -463,7 +482,10 @@ class Store(Queries):
         """Wait until the flusher's backlog is on cold (queueing `ref` first, if given); True if done (at once
         on a store without a cold tier). Raises StoreClosedError, NotFoundError for a `ref` that names nothing
         (with or without tiers: a typo is not a success)."""
-        self._check_open()
+        if ref is None:
+            self._check_open()
+        else:
+            self.repo.check_writable()  # it queues a copy to cold
         vid = None if ref is None else self.resolve(ref)
         if self.flusher is None:
             return True
@@ -481,7 +503,9 @@ class Store(Queries):
 
     def refresh(self) -> dict[str, int]:
         """See what other hosts flushed to the shared cold tier: index their packs and versions and
-        fast-forward local refs to cold's. Returns counts of what was added."""
+        fast-forward local refs to cold's. Returns counts of what was added. Raises ReadOnlyStoreError on a store
+        opened read-only (it writes this node's catalog and refs)."""
+        self.repo.check_writable()
         return refresh(self.repo)
 
     def tiers_status(self) -> list[dict[str, Any]]:
@@ -556,7 +580,7 @@ class Store(Queries):
         line so), the old line staying in the reflog. Raises NotFoundError,
         PrunedError, InvalidNameError, InvalidArgumentError.
         """
-        self._check_open()
+        self.repo.check_writable()
         src = self.version(ref)
         if src.pruned:
             raise PrunedError(f"version {src.short} was pruned; it cannot be forked")
@@ -590,7 +614,7 @@ class Store(Queries):
         DCP's). What no node holds is read from cold by the load. Returns the packs this rank
         received. One process, or every rank on one hot tier: nothing to do, returns 0.
         Raises what `load` raises for `ref` and `keys`, and CommTimeoutError as collectives do."""
-        self._check_open()
+        self.repo.check_writable()
         v = self.version(ref)
         rank, sel = (0, None) if every_rank else reader.rank_for(v, self.comm, keys)
         if self.placement is None or self.placement.groups == 1:
@@ -654,11 +678,18 @@ class Store(Queries):
                                executor=self._readers)
 
     # metadata and maintenance ---------------------------------------------------------
-    def annotate(self, ref: Any, /, *, metrics: dict[str, Any] | None = None,
+    def annotate(self, ref: Any = _NO_REF, /, *, metrics: dict[str, Any] | None = None,
                  annotations: dict[str, Any] | None = None, **values: Any) -> Version:
         """Add or change mutable data of a version (never part of the id). `metrics={...}`: metrics known
         after the save, seen as the version's metrics (Version.metrics, find, versions table) over the
-        record's; `annotations={...}` or key=value: free-form annotations. See Repository.annotate."""
+        record's; `annotations={...}` or key=value: free-form annotations. See Repository.annotate.
+        The version is the first argument; given as `ref=` alone it names the version too (after a
+        positional one, `ref=` is an annotation like any other key). Raises ArgumentTypeError without one."""
+        if ref is _NO_REF:
+            if "ref" not in values:
+                raise ArgumentTypeError("annotate() needs the version to annotate: store.annotate(REF, key=value), "
+                                        "REF a version id, branch or tag")
+            ref = values.pop("ref")
         return self.repo.annotate(ref, metrics=metrics, annotations=annotations, **values)
 
     def du(self) -> dict[str, int]:
@@ -668,14 +699,20 @@ class Store(Queries):
     def prune(self, retention: Any, *, dry_run: bool = False) -> Any:
         """Drop the bytes of versions no policy keeps (records stay; loading them raises PrunedError).
         Tags, branch heads and protected versions (PBT donors) are always kept. See datastates.retention."""
-        self._check_open()
+        if dry_run:
+            self._check_open()
+        else:
+            self.repo.check_writable()
         self.wait()
         return prune(self.repo, retention, dry_run=dry_run)
 
     def gc(self, *, dry_run: bool = False, repack_threshold: float = 0.5, cold_grace_s: float | None = None) -> Any:
         """Delete packs no live version needs and repack sparse ones, on every tier; returns a
         GcReport with bytes freed per tier. See `datastates.maintenance.gc`."""
-        self._check_open()
+        if dry_run:
+            self._check_open()
+        else:
+            self.repo.check_writable()
         self.wait()
         self._evictor.forget()
         return gc(self.repo, dry_run=dry_run, repack_threshold=repack_threshold,
@@ -683,8 +720,12 @@ class Store(Queries):
 
     def fsck(self, *, repair: bool = False, rebuild: bool = False) -> Any:
         """Verify every chunk, manifest, record and ref; see `datastates.maintenance.fsck`.
-        Raises StoreClosedError after `close`."""
-        self._check_open()
+        Raises StoreClosedError after `close`, ReadOnlyStoreError for `repair` or `rebuild` on a store opened
+        read-only (fsck alone changes nothing)."""
+        if repair or rebuild:
+            self.repo.check_writable()
+        else:
+            self._check_open()
         self.wait()
         return fsck(self.repo, repair=repair, rebuild=rebuild)
 

@@ -36,6 +36,7 @@ _MAPPING: list[tuple[type[BaseException], int, str]] = [
     (ds.ConflictError, 409, "CONFLICT"),
     (ds.PrunedError, 410, "PRUNED"),
     (ds.StorageFullError, 507, "STORAGE_FULL"),
+    (ds.ReadOnlyStoreError, 403, "READ_ONLY"),
     (ds.StoreClosedError, 503, "UNAVAILABLE"),
     (ds.IntegrityError, 500, "INTEGRITY_ERROR"),
 ]

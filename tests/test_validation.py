@@ -187,6 +187,16 @@ def test_annotated_metrics_are_metrics_and_internal_keys_are_hidden(store: ds.St
     assert shown["annotations"] == {"note": "late eval"} and shown["metrics"]["val_acc"] == 0.93
 
 
+def test_annotate_takes_the_version_as_ref_keyword_too(store: ds.Store) -> None:
+    """`annotate(ref="main", note=...)` raised Python's bare 'missing 1 required positional argument'."""
+    v = store.save(W, step=1)
+    assert store.annotate(ref=v.id, note="by keyword").annotations == {"note": "by keyword"}
+    assert store.annotate(v.id, ref="an annotation").annotations == {"note": "by keyword", "ref": "an annotation"}
+    with pytest.raises(ds.errors.ArgumentTypeError, match=r"store\.annotate\(REF, key=value\)"):
+        store.annotate(note="no version")
+    assert store.version(v.id).annotations == {"note": "by keyword", "ref": "an annotation"}
+
+
 def _store_with_two_versions(tmp_path: Path) -> tuple[ds.Store, str, str]:
     store = ds.Store.open(tmp_path / "s")
     a = store.save(W, branch="main")

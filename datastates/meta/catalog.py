@@ -7,6 +7,7 @@ range scans. The catalog knows nothing of torch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -20,13 +21,15 @@ import blake3
 import lmdb
 
 from ..base.locks import flocked
-from ..errors import CatalogDamagedError, IntegrityError, StoreClosedError
+from ..errors import CatalogDamagedError, IntegrityError, ReadOnlyStoreError, StoreClosedError, StoreFormatError
 from ..objects.chunks import ChunkLocation
 
 _LOC = struct.Struct("<16sQQQB")
 _OPEN: dict[str, tuple[lmdb.Environment, int]] = {}
 _OPEN_LOCK = threading.Lock()
 _DB_HANDLES: dict[str, dict[str, Any]] = {}
+_READ_ONLY: set[str] = set()
+"""The keys of `_OPEN` whose environment LMDB opened read-only."""
 
 
 _INHERITED: dict[str, lmdb.Environment] = {}
@@ -46,6 +49,16 @@ def _forget_inherited() -> None:
     _OPEN.clear()
     _DB_HANDLES.clear()
     _OPEN_LOCK = threading.Lock()
+
+
+def read_only_message(store: Path | str, unwritable: Path | None = None) -> str:
+    """What a call that writes is told on a store opened read-only: by `read_only=True`, or by itself because this
+    process may not write `unwritable`."""
+    if unwritable is None:
+        return (f"store {store} was opened with read_only=True, so nothing was changed: open it again without "
+                "read_only=True to change it")
+    return (f"store {store} is read-only for this user (who may not write {unwritable}), so nothing was changed: "
+            "run this as a user who may write there, or ask the store's owner for write access")
 
 
 def forked_child_error(path: Path | str) -> StoreClosedError:
@@ -165,32 +178,34 @@ class _Transaction:
 class Catalog:
     """One process-wide handle per LMDB directory (LMDB forbids opening one twice)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, read_only: bool = False, unwritable: Path | None = None) -> None:
+        """Open the catalog at `path` (created if missing, unless `read_only`).
+
+        `read_only`: LMDB's read-only mode; `data.mdb` must exist (StoreFormatError otherwise). `unwritable`: the
+        folder this process may not write, when that is why it is read-only (for the errors' wording). When this process
+        may not write the catalog's folder, LMDB's lock file is not used either: reads are then safe only while
+        no other process writes the store (records are still checked against their ids). Raises
+        ReadOnlyStoreError when the catalog is already open read-only in this process and `read_only` is not
+        asked for, CatalogDamagedError for a damaged file."""
         self.path = path
+        self.read_only = read_only or unwritable is not None
+        self.unwritable = unwritable
+        """The folder this process may not write, when that made the catalog read-only."""
+        read_only = self.read_only
         key = os.path.realpath(path)
         with _OPEN_LOCK:  # LMDB forbids concurrent mdb_dbi_open: open the tables once, under the lock
             env, refs = _OPEN.get(key, (None, 0))
+            if env is not None and key in _READ_ONLY and not read_only:
+                raise ReadOnlyStoreError(
+                    f"store {path.parent} is open read-only in this process, and LMDB allows one open of a file per "
+                    "process; close that Store before opening it for writing")
             if env is None:
                 # One process at a time checks and opens the file: LMDB creates data.mdb empty and writes its meta
                 # pages after, so a process checking it meanwhile took a catalog being made for a damaged one
                 # (four ranks opening a new store at once, in CI). LMDB's own lock is not taken before the open.
                 if key in _INHERITED:
                     raise forked_child_error(path.parent)
-                with flocked(path / OPEN_LOCK):
-                    check_catalog_file(path / "data.mdb")
-                    # map_size is virtual address space; the file grows only as pages are used.
-                    try:
-                        env = lmdb.open(str(path), map_size=1 << 40, max_dbs=len(_DBS), subdir=True,
-                                        max_readers=256)
-                        _DB_HANDLES[key] = {name.decode(): env.open_db(name) for name in _DBS}
-                    except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
-                            lmdb.VersionMismatchError, lmdb.BadDbiError) as exc:
-                        raise CatalogDamagedError(_damaged(path / "data.mdb", f"is damaged ({exc})")) from exc
-                    except lmdb.Error as exc:
-                        if "already open in this process" not in str(exc):
-                            raise
-                        # forked while another thread was opening it: inherited, though not yet in _OPEN
-                        raise forked_child_error(path.parent) from exc
+                env = self._open_env(path, key, read_only)
             _OPEN[key] = (env, refs + 1)
             self._db = _DB_HANDLES[key]
         self._key = key
@@ -206,10 +221,45 @@ class Catalog:
         verified bytes of the record file (the repository sets it; it raises IntegrityError naming
         the files when no copy is good)."""
 
+    @staticmethod
+    def _open_env(path: Path, key: str, read_only: bool) -> lmdb.Environment:
+        # under _OPEN_LOCK
+        # LMDB's lock file (readers' slots) needs write access to the folder; without it a read-only open
+        # goes without the lock, as LMDB's own tools do on a read-only copy.
+        locking = not read_only or os.access(path, os.W_OK)
+        if read_only and not (path / "data.mdb").exists():
+            raise StoreFormatError(
+                f"store {path.parent} has no catalog ({path / 'data.mdb'} is missing), and a read-only open cannot "
+                "make one: open it once with write access, which rebuilds it from the version records")
+        with flocked(path / OPEN_LOCK) if locking else contextlib.nullcontext():
+            check_catalog_file(path / "data.mdb")
+            # map_size is virtual address space; the file grows only as pages are used.
+            try:
+                env = lmdb.open(str(path), map_size=1 << 40, max_dbs=len(_DBS), subdir=True, max_readers=256,
+                                readonly=read_only, lock=locking)
+                _DB_HANDLES[key] = {name.decode(): env.open_db(name, create=not read_only) for name in _DBS}
+            except lmdb.NotFoundError as exc:  # a table a read-only open may not create
+                raise StoreFormatError(
+                    f"store {path.parent}'s catalog lacks a table ({exc}), which a read-only open cannot add: open "
+                    "it once with write access") from exc
+            except (lmdb.CorruptedError, lmdb.InvalidError, lmdb.PageNotFoundError,
+                    lmdb.VersionMismatchError, lmdb.BadDbiError) as exc:
+                raise CatalogDamagedError(_damaged(path / "data.mdb", f"is damaged ({exc})")) from exc
+            except lmdb.Error as exc:
+                if "already open in this process" not in str(exc):
+                    raise
+                # forked while another thread was opening it: inherited, though not yet in _OPEN
+                raise forked_child_error(path.parent) from exc
+        if read_only:
+            _READ_ONLY.add(key)
+        return env
+
     def _begin(self, *, write: bool = False, db: Any = None) -> _Transaction:
         """A transaction counted as in flight: `close` lets the LMDB file go only once the last one has ended.
         Raises StoreClosedError once `close` was called (a read racing the close of its store from another
         thread gets that, never an lmdb.Error from a handle closed under it)."""
+        if write and self.read_only:
+            raise ReadOnlyStoreError(read_only_message(self.path.parent, self.unwritable))
         with self._use:
             if self._closed:
                 raise StoreClosedError.of(self.path.parent)
@@ -259,6 +309,7 @@ class Catalog:
         if refs <= 1:
             del _OPEN[self._key]
             _DB_HANDLES.pop(self._key, None)
+            _READ_ONLY.discard(self._key)
             env.close()
         else:
             _OPEN[self._key] = (env, refs - 1)
@@ -409,7 +460,8 @@ class Catalog:
             raise IntegrityError(f"the catalog's copy of version {vid[:12]} does not match its id; run "
                                  "`datastates fsck --repair`")
         good = self.record_source(vid)
-        self.put_record(vid, good)  # the catalog is a cache of verified records: mend it
+        if not self.read_only:
+            self.put_record(vid, good)  # the catalog is a cache of verified records: mend it
         return good
 
     def put_record(self, vid: str, data: bytes) -> None:

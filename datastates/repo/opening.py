@@ -9,7 +9,7 @@ from pathlib import Path
 
 from ..base import config as tier_config
 from ..base.config import Flush, TierConfig
-from ..errors import InvalidArgumentError, NotFoundError, StoreFormatError
+from ..errors import InvalidArgumentError, NotFoundError, ReadOnlyStoreError, StoreFormatError
 from ..meta.catalog import Catalog
 from ..objects.chunks import DEFAULT_CHUNK_SIZE
 from ..objects.object_store import ObjectStore
@@ -44,12 +44,15 @@ def _check_apart(root: Path, hot: Path) -> None:
 
 def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: int | None, verify: bool,
                     hot: str | os.PathLike[str] | None, hot_capacity: str | int | None, flush: Flush | None,
-                    promote: bool | None) -> tuple[Repository, bool, bool]:
+                    promote: bool | None, read_only: bool = False) -> tuple[Repository, bool, bool]:
     """The repository at `path`, created if missing and `create`. Returns (repository, whether its
     catalog must be rebuilt from the tier files, whether the cold tier is reachable).
 
-    Raises StoreFormatError (newer format, non-store directory), NotFoundError (nothing there and
-    not `create`), InvalidArgumentError (chunk size).
+    `read_only`, or a store whose catalog folder this process may not write: the catalog opens read-only and
+    nothing is written here (no settings, no role marks, no tier made). Raises StoreFormatError (newer format,
+    non-store directory, a read-only store without a catalog), NotFoundError (nothing there and not `create`, or
+    a read-only open of nothing), InvalidArgumentError (chunk size), ReadOnlyStoreError (a store to be created
+    where this process may not write).
     """
     if chunk_size is not None:
         check_chunk_size(chunk_size)
@@ -66,9 +69,9 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         tier = Tier(root)
         info = tier.read_format()
         if info is None:
-            if not create:
+            if not create or read_only:
                 raise _no_store(root)
-            tier.create({"chunk_size": chunk_size or DEFAULT_CHUNK_SIZE})
+            _creating(tier, {"chunk_size": chunk_size or DEFAULT_CHUNK_SIZE}, "store")
             info = tier.read_format() or {}
         if info.get("tier") == "cold":
             raise StoreFormatError(
@@ -78,7 +81,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         size = int(chunk_size or info.get("chunk_size", DEFAULT_CHUNK_SIZE))  # type: ignore[call-overload]
         check_chunk_size(size)
         had_catalog = (root / "catalog" / "data.mdb").exists()
-        catalog = Catalog(root / "catalog")
+        catalog = Catalog(root / "catalog", read_only=read_only, unwritable=_unwritable(root / "catalog", root))
         repo = Repository(ObjectStore(tier, None, catalog, verify=verify), catalog, chunk_size=size)
         rebuild = not had_catalog and next(tier.iter_ids("versions", "json"), None) is not None
         return repo, rebuild, False
@@ -102,30 +105,55 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         cold_info, cold_ok = None, False
     if cold_info is None and hot_info is not None and not root.exists():
         cold_ok = False  # the shared file system is not mounted: keep saving on hot
-    if hot_info is None and cold_info is None and not create:
+    if hot_info is None and cold_info is None and (not create or read_only):
         raise _no_store(root)
+    unwritable = _unwritable(Path(cfg.hot or "") / "catalog", Path(cfg.hot or ""))
+    read_only = read_only or unwritable is not None
+    if read_only and hot_info is None:
+        raise StoreFormatError(
+            f"hot tier {cfg.hot} of store {root} holds no store, and a read-only open cannot make one: open the "
+            "store once with write access, or open it read-only from the node whose hot tier that is")
     settings = {"chunk_size": chunk_size or int((cold_info or hot_info or {}).get(  # type: ignore[call-overload]
         "chunk_size", DEFAULT_CHUNK_SIZE))}
-    if cold_ok and cold_info is None:
-        cold_tier.create(settings | {"tier": "cold"})
+    if read_only:
+        pass  # nothing is written: no role mark, no settings
+    elif cold_ok and cold_info is None:
+        _creating(cold_tier, settings | {"tier": "cold"}, "store")
     elif cold_ok and cold_info is not None and cold_info.get("tier") != "cold":
         try:
             cold_tier.mark_cold(cold_info)  # made before FORMAT recorded the role (2026-11-29)
         except OSError as exc:  # a read-only mount: the store opens as before, unmarked
             log.warning("could not record the cold role in %s/FORMAT (%s)", root, exc)
     if hot_info is None:
-        hot_tier.create(settings)
-    if cold_ok and (saved is None or saved != cfg):
+        _creating(hot_tier, settings, "hot tier")
+    if cold_ok and not read_only and (saved is None or saved != cfg):
         tier_config.save(root, cfg)
     size = int(settings["chunk_size"])
     check_chunk_size(size)
     had_catalog = (hot_tier.root / "catalog" / "data.mdb").exists()
-    catalog = Catalog(hot_tier.root / "catalog")
-    objects = ObjectStore(hot_tier, cold_tier, catalog, verify=verify, promote=cfg.promote,
+    catalog = Catalog(hot_tier.root / "catalog", read_only=read_only, unwritable=unwritable)
+    objects = ObjectStore(hot_tier, cold_tier, catalog, verify=verify, promote=cfg.promote and not read_only,
                           hot_capacity=cfg.hot_capacity)
     repo = Repository(objects, catalog, chunk_size=size, tiering=cfg, root=root)
     rebuild = not had_catalog and any(next(t.iter_ids("versions", "json"), None) for t in repo.tiers)
     return repo, rebuild, cold_ok
+
+
+def _unwritable(catalog: Path, root: Path) -> Path | None:
+    """The catalog folder (or, before it exists, the tier's root) when this process may not write it: such a store
+    opens read-only, as `git log` works in a repository one may only read. None when it may."""
+    where = catalog if catalog.exists() else root
+    return where if where.exists() and not os.access(where, os.W_OK) else None
+
+
+def _creating(tier: Tier, settings: dict[str, object], what: str) -> None:
+    """`tier.create`, with ReadOnlyStoreError when this process may not write there."""
+    try:
+        tier.create(settings)
+    except PermissionError as exc:
+        raise ReadOnlyStoreError(
+            f"cannot create the {what} at {tier.root}: {exc.strerror} ({exc.filename}); give a directory this "
+            "user may write to") from exc
 
 
 def quarantine_catalog(path: str | os.PathLike[str], hot: str | os.PathLike[str] | None = None) -> Path:

@@ -25,9 +25,10 @@ from ..errors import (
     InvalidNameError,
     NotFoundError,
     PrunedError,
+    ReadOnlyStoreError,
     StoreClosedError,
 )
-from ..meta.catalog import Catalog, forked_child_error
+from ..meta.catalog import Catalog, forked_child_error, read_only_message
 from ..meta.graph import CatalogGraph, missing_version, unreached
 from ..meta.refs import HEX_ID, RefStore, check_name
 from ..meta.versions import (
@@ -120,6 +121,17 @@ class Repository:
         if os.getpid() != self.pid:
             raise self._forked()
 
+    @property
+    def read_only(self) -> bool:
+        """Opened read-only (`Store.open(..., read_only=True)`, or a store this process may not write)."""
+        return self.catalog.read_only
+
+    def check_writable(self) -> None:
+        """check_open, then ReadOnlyStoreError on a store opened read-only (for the calls that write)."""
+        self.check_open()
+        if self.catalog.read_only:
+            raise ReadOnlyStoreError(read_only_message(self.path, self.catalog.unwritable))
+
     def check_readable(self) -> None:
         """StoreClosedError once the catalog is let go (for reads: the drain of a closing store still reads), and in
         a forked child."""
@@ -202,7 +214,7 @@ class Repository:
 
         Raises StoreClosedError, InvalidNameError, NotFoundError, ConflictError (exists, without force).
         """
-        self.check_open()
+        self.check_writable()
         check_name(name, "branch")
         vid = self.resolve(at)
         self.check_unlike_other_kind("branch", name)
@@ -217,7 +229,7 @@ class Repository:
     def create_tag(self, name: str, ref: Any = "main", message: str = "") -> str:
         """Create an immutable tag. Raises StoreClosedError, InvalidNameError, NotFoundError, ConflictError
         (exists)."""
-        self.check_open()
+        self.check_writable()
         check_name(name, "tag")
         vid = self.resolve(ref)
         self.check_unlike_other_kind("tag", name)
@@ -255,7 +267,7 @@ class Repository:
         Without `force`, a branch whose head no other ref reaches is kept (like `git branch -d`).
         Returns the id it named. Raises StoreClosedError, InvalidNameError (not a string), NotFoundError,
         ConflictError (unmerged, without force)."""
-        self.check_open()
+        self.check_writable()
         _check_ref_name(kind, name)
         if not force:
             lost = self.unreachable_if_deleted(kind, name)
@@ -359,9 +371,9 @@ class Repository:
         laid over the record's. `annotations={...}` and `key=value` are free-form annotations (any
         name: `ref` is positional only, so `self=1` and `ref=2` are annotations too). Keys starting with
         '_' are reserved. Raises StoreClosedError, InvalidArgumentError,
-        UnsupportedValueError, NotFoundError.
+        UnsupportedValueError, NotFoundError, ReadOnlyStoreError.
         """
-        self.check_open()
+        self.check_writable()
         vid = self.resolve(ref)
         later = plain_json(metrics, "metrics", numbers_only=True)
         flat = plain_json(annotations, "annotations")
