@@ -442,6 +442,11 @@ class ObjectStore:
         for cids, nbytes, align in items:
             spans.append(_one_span(locs[i:i + len(cids)], nbytes, align))
             i += len(cids)
+        # Equal bytes are stored once: two tensors saved apart (AdamW's per-parameter `step` counters) name the same
+        # chunks, and on one mapping they would share memory, an in-place change to one showing in the other. The
+        # first of the items over any byte keeps the mapping; the others are read into memory of their own.
+        for k in _overlapping(spans, [n for _, n, _ in items]):
+            spans[k] = None
         maps: dict[str, memoryview | None] = {}
         for pack in {s[0] for s in spans if s is not None}:
             mapping = self.hot.reader.map(pack)
@@ -642,6 +647,21 @@ def _will_need(mapping: mmap.mmap, spans: list[tuple[int, int]]) -> None:
         except (OSError, ValueError, AttributeError):
             return
         start, end = a, b
+
+
+def _overlapping(spans: list[tuple[str, int] | None], sizes: list[int]) -> list[int]:
+    """The items whose byte range [offset, offset + size) in their pack meets that of an item before them in offset
+    order (ties: the earlier item first)."""
+    order = sorted((s[0], s[1], k) for k, s in enumerate(spans) if s is not None)
+    out: list[int] = []
+    pack, end = None, 0
+    for p, start, k in order:
+        if p == pack and start < end:
+            out.append(k)
+        if p != pack:
+            pack, end = p, 0
+        end = max(end, start + sizes[k])
+    return out
 
 
 def _one_span(locs: list[ChunkLocation | None], nbytes: int, align: int) -> tuple[str, int] | None:
