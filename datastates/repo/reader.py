@@ -99,6 +99,11 @@ def _load(repo: Repository, ref: Any, keys: Iterable[str] | None, dev: torch.dev
         out = _map_rows(repo, m, read, executor, cols)
     else:
         out = _read_rows(repo, m, read, executor, cols)
+    strides = cols["stride"]
+    for i in read:
+        if strides[i] and kind[i] == "tensor":  # a dense layout other than row-major, as saved (`kept_layout`)
+            t = out[i]
+            out[i] = torch.empty_strided(t.shape, strides[i], dtype=t.dtype, device=t.device).copy_(t)
     for i in wanted:
         if i in out:
             continue

@@ -116,6 +116,23 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def kept_layout(t: torch.Tensor, shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides a 'tensor' row records: those of a layout that covers its elements densely but not in row-major
+    order (channels_last, a transpose), which a load gives back, as `torch.load` does (a fused optimizer pairs a
+    parameter's elements with its state's by memory order: a channels_last parameter with row-major state moved
+    the weights of a resumed run far from a torch.load resume). Empty for row-major tensors (the row's bytes
+    are in that order, whatever the layout), and for layouts with gaps or overlaps (a stepped slice, an
+    expanded tensor), whose values come back row-major."""
+    if len(shape) < 2 or t.is_contiguous() or 0 in shape:
+        return ()
+    expect = 1
+    for st, n in sorted((st, n) for n, st in zip(shape, stride) if n != 1):
+        if st != expect:
+            return ()
+        expect *= n
+    return stride
+
+
 def _raw_bytes(address: int, nbytes: int) -> torch.Tensor:
     """A flat uint8 tensor over the `nbytes` host bytes at `address` that owns nothing and keeps nothing alive
     (a ctypes array at that address, wrapped without a copy): valid only while whatever owns those bytes is."""
@@ -292,10 +309,10 @@ class Flattener:
 
     def _add_tensor(self, path: str, t: torch.Tensor) -> int:
         src = _bytes_of(t)
-        dev, shape = _device_name(t.device), tuple(t.shape)
-        sig = (t.data_ptr(), t._version, t.dtype, shape, tuple(t.stride()), dev, StorageWeakRef(t.untyped_storage()))
+        dev, shape, stride = _device_name(t.device), tuple(t.shape), tuple(t.stride())
+        sig = (t.data_ptr(), t._version, t.dtype, shape, stride, dev, StorageWeakRef(t.untyped_storage()))
         self.entries.append(TensorEntry(path, t.dtype, shape, dev, "tensor", source=src, nbytes=src.numel(),
-                                        sig=sig))
+                                        sig=sig, stride=kept_layout(t, shape, stride)))
         return len(self.entries) - 1
 
 
