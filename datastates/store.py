@@ -367,7 +367,9 @@ class Store(Queries):
         of a tensor whose storage, shape and torch version counter are the same
         as when this store last saved it under the same key: no copy, no hash.
         Writes that bypass the version counter (through `.data`, numpy views
-        or ctypes) are not seen, hence opt-in.
+        or ctypes) are not seen, hence opt-in. Fused optimizer steps
+        (`fused=True`), whose kernels bump no counter, are seen: a step hook
+        bumps the counters of what they wrote (`save.counters`).
         On a store opened with a communicator of several ranks the save is collective: each rank's
         entries go into its own manifest, and entries under `replicated` (key prefixes or globs,
         identical on every rank) are written once in total, spread over the ranks by bytes.

@@ -80,6 +80,37 @@ def test_state_dict_tensors_of_unchanged_parameters_are_reused(tmp_path: Path) -
     s.close()
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=0.1, fused=True),
+    lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+    lambda ps: torch.optim.Adagrad(ps, lr=0.1, fused=True),
+], ids=["adamw", "sgd", "adagrad"])
+@pytest.mark.parametrize("form", ["objects", "state_dicts"])
+def test_fused_optimizer_steps_are_seen(tmp_path: Path, make: Any, form: str) -> None:
+    """A fused step bumps no version counter, and reuse_unchanged saved the first checkpoint's weights and moments
+    at every later save (a review). A step post-hook bumps them for what the step wrote."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = make(model.parameters())
+    frozen = torch.nn.Linear(2, 2)  # never stepped: reused
+    with ds.Store.open(tmp_path / "s", reuse_unchanged=True) as store:
+        for step in range(3):
+            model(torch.randn(8, 16)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            state = ({"model": model, "optim": opt, "frozen": frozen} if form == "objects" else
+                     {"model": model.state_dict(), "optim": opt.state_dict(), "frozen": frozen.state_dict()})
+            v = store.save(state, step=step)
+            got = store.load(v)
+            want = {k: t.detach().clone() for k, t in model.state_dict().items()}
+            for k in want:
+                assert torch.equal(got["model"][k], want[k]), (step, k)
+            moments = [t for st in opt.state_dict()["state"].values() for t in st.values() if t.dim()]
+            saved = [t for st in got["optim"]["state"].values() for t in st.values() if t.dim()]
+            assert moments and all(torch.equal(a, b) for a, b in zip(saved, moments)), step
+            assert torch.equal(got["frozen"]["weight"], frozen.weight.detach())
+
+
 def test_off_by_default_so_writes_through_data_are_saved(tmp_path: Path) -> None:
     s = ds.Store.open(tmp_path / "s")
     state = _state()

@@ -27,6 +27,7 @@ from .capture import CaptureOrder, CudaStaging, capture
 from .capture import plan as plan_slots
 from .collective import plan, refuse_together
 from .copier import Copier
+from .counters import watch_fused_steps
 from .job import KnownStats, SaveHandle, SaveJob, SaveMemory
 from .manifest import retire
 from .pipeline import Pipeline
@@ -43,6 +44,7 @@ class Saver:
                  chunk_drops: Callable[[], bytes] | None = None) -> None:
         """`chunk_drops`: the catalog's `Catalog.chunk_drops` where nothing but a drop from the index removes a
         chunk (no tiers), else None (see `Pipeline.chunk_drops`)."""
+        watch_fused_steps()  # before any save this store could reuse
         self.chunk_size = chunk_size
         self.dedup = dedup
         self.pool = BufferPool(pool_bytes, max(chunk_size, 1 << 20), pin=torch.cuda.is_available())
