@@ -464,3 +464,33 @@ def test_loading_by_any_ref_form_writes_nothing(rt_store: ds.Store) -> None:
     for ref in (v.id, v.id[:10], "ro", "ro~0"):
         assert torch.equal(rt_store.load(ref)["x"], torch.ones(3))
     assert rt_store.du() == before
+
+
+def test_a_state_dicts_module_versions_come_back(rt_store: ds.Store, tmp_path_factory: pytest.TempPathFactory
+                                                 ) -> None:
+    """`state_dict()._metadata` was dropped, and `load_state_dict` took the checkpoint for one of an old module
+    version: a MinMaxObserver's eps came back as float32's (a review)."""
+    from torch.ao.quantization.observer import MinMaxObserver
+
+    obs = MinMaxObserver(eps=1e-3)
+    obs(torch.randn(10))
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+    for state in ({"obs": obs.state_dict(), "model": model.state_dict()}, {"obs": obs, "model": model}):
+        v = rt_store.save(state)
+        for got in (rt_store.load(v), rt_store.load(v, keys=["model"])):
+            assert got["model"]._metadata == model.state_dict()._metadata
+        got = rt_store.load(v)
+        assert got["obs"]._metadata == obs.state_dict()._metadata
+        fresh = MinMaxObserver()
+        fresh.load_state_dict(got["obs"])
+        assert fresh.eps.item() == pytest.approx(1e-3)
+    again = rt_store.save({"model": model.state_dict()})  # through the kept flatten: the same metadata
+    model.state_dict()  # (a new dict each call)
+    sd = model.state_dict()
+    sd._metadata["1"]["version"] = 1  # type: ignore[attr-defined]
+    changed = rt_store.save({"model": sd})  # a changed metadata is not the kept one's
+    assert rt_store.load(again)["model"]._metadata["1"] == {"version": 2}
+    assert rt_store.load(changed)["model"]._metadata["1"] == {"version": 1}
+    out = tmp_path_factory.mktemp("export") / "m.pt"
+    ds.export(rt_store, again, "torch", out)
+    assert torch.load(out, weights_only=True)["model"]._metadata == model.state_dict()._metadata

@@ -238,6 +238,9 @@ class Flattener:
             keys = [_key_json(k, path) for k in v]
             vals = [self._node(x, f"{path}.{k}" if path else str(k), depth + 1) for k, x in v.items()]
             node = {"t": "odict" if type(v) is OrderedDict else "dict", "k": keys, "v": vals}
+            meta = _module_versions(v)
+            if meta is not None:
+                node["meta"] = meta
             # A Counter (MultiStepLR's milestones) is a dict that loads back as a Counter, as torch.load's does.
             return {**node, "cls": "Counter"} if type(v) is Counter else node
         if type(v) in (list, tuple):
@@ -399,6 +402,23 @@ def _walk(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | None =
     return new
 
 
+def _module_versions(v: dict[Any, Any]) -> list[list[Any]] | None:
+    """A `state_dict()`'s `_metadata` (each submodule's `{"version": n}`), as [prefix, values] pairs to keep with
+    its node, when it is there and plain: `load_state_dict` reads it to convert states saved by older module
+    versions, and without it took a current checkpoint for an old one (a quantization observer's `eps` reset).
+    None otherwise (a metadata of other values is left out, as before)."""
+    meta = getattr(v, "_metadata", None)
+    if type(meta) not in (dict, OrderedDict):
+        return None
+    out = []
+    for k, values in meta.items():
+        if type(k) is not str or type(values) is not dict or not all(
+                type(x) is str and type(y) in (int, float, str, bool, type(None)) for x, y in values.items()):
+            return None
+        out.append([k, values])
+    return out
+
+
 def _walk_node(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | None) -> dict[str, Any] | None:
     """`_walk` of `v` (an object's state already taken) against `node` itself."""
     t = node["t"]
@@ -414,6 +434,8 @@ def _walk_node(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | N
     if t in ("dict", "odict"):
         if type(v) is not (dict if t == "dict" else OrderedDict) or "cls" in node or len(v) != len(node["k"]):
             return None  # ("cls": a Counter, never walked: a dict in its place must not load as one)
+        if t == "odict" and _module_versions(v) != node.get("meta"):
+            return None
         for k, k0 in zip(v, node["k"]):
             if k is not k0 and (type(k) is not type(k0) or k != k0):
                 return None
@@ -818,6 +840,8 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
         return np.frombuffer(base64.b64decode(node["v"]), dtype=np.dtype(node["dtype"]))[0]
     if t in ("dict", "odict"):
         out: dict[Any, Any] = OrderedDict() if t == "odict" else (Counter() if node.get("cls") == "Counter" else {})
+        if "meta" in node:
+            out._metadata = OrderedDict((k, dict(v)) for k, v in node["meta"])  # type: ignore[attr-defined]
         keys, vals = node["k"], node["v"]
         for j in _positions(node, path, select, route):
             k = keys[j]
