@@ -408,7 +408,7 @@ def _module_versions(v: dict[Any, Any]) -> list[list[Any]] | None:
     versions, and without it took a current checkpoint for an old one (a quantization observer's `eps` reset).
     None otherwise (a metadata of other values is left out, as before)."""
     meta = getattr(v, "_metadata", None)
-    if type(meta) not in (dict, OrderedDict):
+    if not isinstance(meta, dict) or type(meta) not in (dict, OrderedDict):
         return None
     out = []
     for k, values in meta.items():
