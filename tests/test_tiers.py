@@ -400,6 +400,45 @@ def test_a_hot_tier_that_is_the_store_directory_is_refused(tmp_path: Path) -> No
         assert s.load("main")["w"].tolist() == [1.0]
 
 
+def test_an_empty_mount_point_is_not_made_a_cold_tier(tmp_path: Path) -> None:
+    """With the shared file system unmounted, its empty mount point was made a new cold tier: versions flushed there
+    were marked as on cold, eviction then deleted their only copy once the real one was back (a review)."""
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    with ds.Store.open(cold, hot=hot, flush=ds.Flush(every=1)) as s:
+        first = s.save(_state(0), step=0)
+        assert s.flush(first)
+    os.rename(cold, tmp_path / "real")
+    cold.mkdir()  # the mount point, empty
+    s = ds.Store.open(cold, hot=hot, hot_capacity=1 * MiB, flush=ds.Flush(every=1))
+    try:
+        later = [s.save(_state(i), step=i) for i in (1, 2, 3)]
+        assert list(cold.iterdir()) == []  # no FORMAT, no config, no pack: nothing written there
+        assert all(s.where(v) == ["hot"] for v in later)
+        s._evict()
+        assert [s.load(v)["w"][0].item() for v in later] == [1.0, 2.0, 3.0]  # kept: not on cold
+        cold.rmdir()
+        os.rename(tmp_path / "real", cold)  # mounted again
+        assert s.flush(timeout=60)
+        assert all(s.where(v) == ["hot", "cold"] for v in later)
+    finally:
+        s.close()
+    with ds.Store.open(cold, hot=tmp_path / "new-node") as s:  # every version from cold alone
+        assert [v.step for v in s.log("main")] == [3, 2, 1, 0]
+        assert [s.load(v)["w"][0].item() for v in s.log("main")] == [3.0, 2.0, 1.0, 0.0]
+
+
+def test_swapped_tiers_are_refused_before_anything_is_written(tmp_path: Path) -> None:
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    with ds.Store.open(cold, hot=hot) as s:
+        s.save(_state(0))
+    before = {p: p.read_bytes() for d in (cold, hot) for p in d.rglob("*") if p.is_file() and "lock" not in p.name}
+    with pytest.raises(ds.InvalidArgumentError, match="were the two swapped"):
+        ds.Store.open(hot, hot=cold)
+    after = {p: p.read_bytes() for d in (cold, hot) for p in d.rglob("*") if p.is_file() and "lock" not in p.name}
+    assert after == before
+    assert not (cold / "catalog").exists()
+
+
 def test_a_relative_hot_tier_is_kept_absolute_in_the_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """config.toml kept hot= as given: a process opening the store from another directory (the CLI, a server)
     read a relative path there, and made and used another, empty hot tier."""

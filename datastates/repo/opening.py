@@ -103,8 +103,18 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         cold_ok = True
     except OSError:
         cold_info, cold_ok = None, False
-    if cold_info is None and hot_info is not None and not root.exists():
-        cold_ok = False  # the shared file system is not mounted: keep saving on hot
+    if cold_info is None and hot_info is not None and cold_ok:
+        # The hot tier holds a store and the shared one has none: the file system is not mounted (an empty mount
+        # point, or no directory at all). Never made a new cold tier there: its flushes would mark versions as on
+        # cold that the real one lacks, and eviction would then delete their only copy. Saves stay on hot; the
+        # flusher writes only into a directory with a FORMAT file, so the backlog waits for the real one.
+        cold_ok = False
+        log.warning("cold tier %s holds no store (no FORMAT file) while hot tier %s does: taken as not mounted; "
+                    "saves stay on hot until it is back", root, cfg.hot)
+    if hot_info is not None and hot_info.get("tier") == "cold":
+        raise InvalidArgumentError(
+            f"hot tier {cfg.hot} is the cold tier of a store (its FORMAT says so): were the two swapped? Open "
+            f"Store.open(COLD, hot=NODE_LOCAL_DIR), the shared store directory first; nothing was written")
     if hot_info is None and cold_info is None and (not create or read_only):
         raise _no_store(root)
     unwritable = _unwritable(Path(cfg.hot or "") / "catalog", Path(cfg.hot or ""))
