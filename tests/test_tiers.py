@@ -427,6 +427,35 @@ def test_an_empty_mount_point_is_not_made_a_cold_tier(tmp_path: Path) -> None:
         assert [s.load(v)["w"][0].item() for v in s.log("main")] == [3.0, 2.0, 1.0, 0.0]
 
 
+def test_a_hot_tier_deleted_while_open_refuses_saves_and_a_reopen_recovers(tmp_path: Path) -> None:
+    """After the hot tier was deleted under an open store, the next save committed a version with no parent, and
+    the files it (and a promotion) wrote made a hot directory without FORMAT that no open accepted (a review)."""
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    s = ds.Store.open(cold, hot=hot)
+    try:
+        first = s.save(_state(1), step=1)
+        assert s.flush(first)
+        shutil.rmtree(hot)
+        with pytest.raises(ds.StoreFormatError, match="was deleted while the store was open"):
+            s.save(_state(2), step=2)
+        with pytest.raises(ds.StoreFormatError, match="was deleted"):
+            s.tag("t", first)
+        assert s.load(first)["w"][0].item() == 1.0  # read from cold, not promoted into the deleted tier
+    finally:
+        s.close()
+    assert not hot.exists()
+    with ds.Store.open(cold, hot=hot) as s:  # what the message says
+        again = s.save(_state(3), step=3)
+        assert again.parents == (first.id,)
+    shutil.rmtree(hot / "catalog")
+    (hot / "FORMAT").unlink()
+    with pytest.raises(ds.StoreFormatError, match="move this directory aside"):
+        ds.Store.open(cold, hot=hot)
+    os.rename(hot, tmp_path / "aside")
+    with ds.Store.open(cold, hot=hot) as s:
+        assert s.load(first)["w"][0].item() == 1.0
+
+
 def test_swapped_tiers_are_refused_before_anything_is_written(tmp_path: Path) -> None:
     cold, hot = tmp_path / "cold", tmp_path / "hot"
     with ds.Store.open(cold, hot=hot) as s:

@@ -598,6 +598,8 @@ class ObjectStore:
     def _after_cold_read(self, pack: str, repair: bool) -> None:
         assert self.cold is not None
         src, dst = self.cold.pack_path(pack), self.hot.pack_path(pack)
+        if not (self.hot.root / "FORMAT").exists():
+            return  # a hot tier deleted while open: no pack is put into a directory that no open would accept
         try:
             if repair:
                 log.warning("pack %s was corrupt on hot; replaced it with the good copy from cold", pack)

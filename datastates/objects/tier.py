@@ -40,8 +40,9 @@ class Tier:
         self.reader = PackReader(root / "packs")
 
     # format ------------------------------------------------------------------
-    def read_format(self) -> dict[str, object] | None:
-        """The FORMAT record, None if this directory is not a store yet.
+    def read_format(self, *, beside_cold: bool = False) -> dict[str, object] | None:
+        """The FORMAT record, None if this directory is not a store yet. `beside_cold`: this is the hot tier of a
+        store with a cold one (for the wording of what to do when its FORMAT is lost).
 
         Raises StoreFormatError for a store of a newer format or a non-empty non-store directory.
         """
@@ -54,6 +55,12 @@ class Tier:
             if not f.exists():
                 kept = sorted(p.name for p in self.root.iterdir() if p.name in ("versions", "packs", "manifests"))
                 if kept:  # a store that lost its FORMAT: never taken for a new one, nor for no store at all
+                    if beside_cold:
+                        raise StoreFormatError(
+                            f"hot tier {self.root} holds a store's {', '.join(f'{k}/' for k in kept)} but its FORMAT "
+                            "file is missing: put it back (docs/format.md section 2 gives its one line, with this "
+                            "store's chunk_size; a hot tier's has no \"tier\" key), or move this directory aside "
+                            "and open the store again: a new hot tier is made, and the versions on cold come back")
                     raise StoreFormatError(
                         f"{self.root} holds a store's {', '.join(f'{k}/' for k in kept)} but its FORMAT file is "
                         "missing: put it back from a backup or the other tier (docs/format.md section 2 gives its "

@@ -97,7 +97,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
                      promote=promote if promote is not None else (saved.promote if saved else True))
     hot_tier = Tier(Path(cfg.hot or ""), "hot")
     cold_tier = Tier(root, "cold", shared=True)
-    hot_info = hot_tier.read_format()
+    hot_info = hot_tier.read_format(beside_cold=True)
     try:
         cold_info = cold_tier.read_format()
         cold_ok = True

@@ -27,6 +27,7 @@ from ..errors import (
     PrunedError,
     ReadOnlyStoreError,
     StoreClosedError,
+    StoreFormatError,
 )
 from ..meta.catalog import Catalog, forked_child_error, read_only_message
 from ..meta.graph import CatalogGraph, missing_version, unreached
@@ -127,10 +128,21 @@ class Repository:
         return self.catalog.read_only
 
     def check_writable(self) -> None:
-        """check_open, then ReadOnlyStoreError on a store opened read-only (for the calls that write)."""
+        """check_open, then ReadOnlyStoreError on a store opened read-only (for the calls that write), and
+        StoreFormatError when the tier saves write to was deleted while the store was open."""
         self.check_open()
         if self.catalog.read_only:
             raise ReadOnlyStoreError(read_only_message(self.path, self.catalog.unwritable))
+        if not (self.tier.root / "FORMAT").exists():
+            # Its refs gone, a save would have started a new line with no parent, and its files a directory
+            # without FORMAT that no later open accepts (a review).
+            if self.cold is None:
+                raise StoreFormatError(f"store {self.path} was deleted while open (its FORMAT file is gone): nothing "
+                                       "was written")
+            raise StoreFormatError(
+                f"hot tier {self.tier.root} was deleted while the store was open (its FORMAT file is gone): nothing "
+                "was written. Close the store and open it again: the hot tier is made anew, and the versions on "
+                "cold come back from there")
 
     def check_readable(self) -> None:
         """StoreClosedError once the catalog is let go (for reads: the drain of a closing store still reads), and in
