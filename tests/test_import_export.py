@@ -127,6 +127,38 @@ def test_a_file_the_store_refuses_imports_nothing(tmp_path: Path) -> None:
         assert store.branches() == {} and store.versions_table().num_rows == 0
 
 
+def test_files_that_are_no_checkpoint_are_named_without_a_pickle_hint(tmp_path: Path) -> None:
+    """A damaged safetensors file gave a bare SafetensorError; a text file named .pt was said to need pickle, and
+    --allow-pickle then failed too (a review)."""
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{bad json}      ")
+    (tmp_path / "notes.pt").write_text("not a torch file\n")
+    torch.save({"model": _model_state(1)}, tmp_path / "whole.pt")
+    (tmp_path / "cut.pt").write_bytes((tmp_path / "whole.pt").read_bytes()[:200])
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "model.safetensors.index.json").write_text("{not json")
+    (tmp_path / "shards" / "model-1.safetensors").write_bytes(b"")
+    cases = {"bad.safetensors": "safetensors can read", "notes.pt": r"not a torch.save file \(it starts with",
+             "cut.pt": "torch.load can read", "shards": "safetensors index"}
+    with ds.Store.open(tmp_path / "s") as store:
+        for name, message in cases.items():
+            for allow in (False, True):
+                with pytest.raises(ds.InvalidArgumentError, match=message) as info:
+                    ds.import_checkpoints(store, [tmp_path / name], branch="x", allow_pickle=allow)
+                assert "pickle" not in str(info.value).split(";")[-1], name  # no hint to allow pickle
+        assert store.branches() == {}
+    assert cli(["--store", str(tmp_path / "s"), "import", str(tmp_path / "notes.pt")]) == 1
+
+
+def test_one_path_given_as_a_string_is_one_checkpoint(tmp_path: Path) -> None:
+    """A str was iterated letter by letter: the first checkpoint tried was '/'."""
+    torch.save({"model": _model_state(3)}, tmp_path / "step-3.pt")
+    with ds.Store.open(tmp_path / "s") as store:
+        for given in (str(tmp_path / "step-3.pt"), tmp_path / "step-3.pt"):
+            report = ds.import_checkpoints(store, given, branch=f"b{len(store.branches())}")
+            assert len(report.versions) == 1
+        assert store.load("b0")["model"]["head.weight"][0, 0].item() == 3.0
+
+
 @pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
 def test_export_then_import_round_trips_bit_exact(tmp_path: Path, fmt: str) -> None:
     state = {"model": _model_state(7), "bf16": torch.arange(6, dtype=torch.bfloat16), "step": 7}

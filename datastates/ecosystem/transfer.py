@@ -41,7 +41,9 @@ class ImportReport:
         return self.bytes_total - self.bytes_new
 
 
-def _expand(paths: Iterable[str | os.PathLike[str]], pattern: str | None) -> list[Path]:
+def _expand(paths: Iterable[str | os.PathLike[str]] | str | os.PathLike[str], pattern: str | None) -> list[Path]:
+    if isinstance(paths, (str, bytes, os.PathLike)):
+        paths = [paths]  # one path, not its characters (a str is an iterable of paths of one letter)
     out: list[Path] = []
     for p in paths:
         p = Path(p)
@@ -55,11 +57,12 @@ def _expand(paths: Iterable[str | os.PathLike[str]], pattern: str | None) -> lis
     return out
 
 
-def import_checkpoints(store: Store, paths: Iterable[str | os.PathLike[str]], *, branch: str = "imported",
+def import_checkpoints(store: Store, paths: Iterable[str | os.PathLike[str]] | str | os.PathLike[str], *,
+                       branch: str = "imported",
                        glob: str | None = None, step_from: str | None = None,
                        allow_pickle: bool = False) -> ImportReport:
-    """Import checkpoints (files or directories; with `glob`, directories are searched with it) as versions
-    of `branch`, oldest step first, each the parent of the next. The step comes from `step_from` (a regex
+    """Import checkpoints (files or directories, or one path; with `glob`, directories are searched with it) as
+    versions of `branch`, oldest step first, each the parent of the next. The step comes from `step_from` (a regex
     with one group, matched in the path), else from the files, else the last number in the name.
     Raises NotFoundError, UnsupportedValueError (pickle needed without allow_pickle: nothing is imported),
     InvalidArgumentError. All files are read before anything is saved, so a refused file changes nothing."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 import tempfile
 from dataclasses import dataclass, field
@@ -37,33 +38,66 @@ class Foreign:
     needs_pickle: bool = False
 
 
+def _unreadable(path: Path, exc: BaseException, what: str = "torch.load") -> InvalidArgumentError:
+    return InvalidArgumentError(
+        f"{path} is not a checkpoint {what} can read ({type(exc).__name__}: {str(exc)[:200]}); give a "
+        "torch.save file, a safetensors file, a DCP directory or a Trainer checkpoint directory")
+
+
 def _torch_load(path: Path, allow_pickle: bool) -> tuple[Any, bool]:
     try:
         return torch.load(path, map_location="cpu", weights_only=True), False
     except Exception as exc:  # torch raises UnpicklingError (or others) for what weights_only refuses
+        head = _head(path)
+        if not head.startswith((b"PK\x03\x04", b"\x80")):
+            # Neither a zip archive nor a pickle (a text file, an HTML error page): torch's message would suggest
+            # weights_only=False, and full pickle would not read it either.
+            raise InvalidArgumentError(
+                f"{path} is not a torch.save file (it starts with {head!r}, neither a zip archive nor a pickle); "
+                "give a torch.save file, a safetensors file, a DCP directory or a Trainer checkpoint directory"
+            ) from None
+        if not isinstance(exc, pickle.UnpicklingError):  # a damaged archive (a truncated download)
+            raise _unreadable(path, exc) from None
         if not allow_pickle:
             raise UnsupportedValueError(
                 f"{path} needs full pickle to load ({type(exc).__name__}: {str(exc)[:200]}); import it only if you "
                 "trust it, with --allow-pickle (allow_pickle=True)") from None
     try:
         return torch.load(path, map_location="cpu", weights_only=False), True
-    except Exception as exc:  # not a pickle at all (a text file, a truncated download): torch's own error names it
-        raise InvalidArgumentError(
-            f"{path} is not a checkpoint torch.load can read ({type(exc).__name__}: {str(exc)[:200]}); give a "
-            "torch.save file, a safetensors file, a DCP directory or a Trainer checkpoint directory") from None
+    except Exception as exc:  # torch's own error names what is wrong
+        raise _unreadable(path, exc) from None
+
+
+def _head(path: Path) -> bytes:
+    """The first bytes of `path` (a torch.save file starts with a zip archive's or a pickle's)."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(8)
+    except OSError:
+        return b""
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # SafetensorError (a damaged header), OSError
+        raise _unreadable(path, exc, "safetensors") from None
 
 
 def _safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     index = next(iter(sorted(path.glob("*.safetensors.index.json"))), None)
     if index is not None:
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise _unreadable(index, exc, "the safetensors index reader") from None
     else:
         files = [p.name for p in sorted(path.glob("*.safetensors"))]
     out: dict[str, torch.Tensor] = {}
     for name in files:
-        out.update(load_file(str(path / name)))
+        out.update(_load_safetensors(path / name))
     return out
 
 
@@ -94,9 +128,7 @@ def read(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Foreign
         raise NotFoundError(f"{p} is a directory with no checkpoint layout this knows (a Trainer checkpoint-N/ "
                             "with trainer_state.json, a DCP directory with .metadata, or safetensors shards)")
     if p.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return Foreign(p, "safetensors", load_file(str(p)))
+        return Foreign(p, "safetensors", _load_safetensors(p))
     state, pickled = _torch_load(p, allow_pickle)
     return Foreign(p, "torch", state, needs_pickle=pickled)
 
