@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from .errors import InvalidArgumentError, NotFoundError
+from .errors import InvalidArgumentError, InvalidNameError, NotFoundError
 from .maintenance.retention import register_protector
 from .meta import leases
+from .meta.refs import check_name
 from .meta.versions import shown
 
 if TYPE_CHECKING:
@@ -75,8 +76,20 @@ class Population:
                  seed: int = 0) -> None:
         if mode not in ("min", "max"):
             raise InvalidArgumentError(f"mode {mode!r} must be 'min' or 'max'")
-        if size < 2:
-            raise InvalidArgumentError(f"a population needs at least 2 members, not {size}")
+        if type(size) is not int or size < 2:
+            raise InvalidArgumentError(f"a population needs at least 2 members, not {shown(size)}")
+        if type(fraction) not in (int, float) or not 0 < fraction <= 0.5:
+            raise InvalidArgumentError(
+                f"fraction {shown(fraction)} must be a number in (0, 0.5]: the bottom fraction copies from the top "
+                "one, and above a half the two overlap (0.25 is the usual truncation selection)")
+        if not isinstance(name, str):
+            raise InvalidNameError(f"population name {shown(name)} must be a string")
+        try:
+            check_name(f"{name}/member-00", "branch")  # each member is a branch NAME/member-NN: refused now, not later
+        except InvalidNameError as exc:
+            raise InvalidNameError(f"population name {name!r} makes member branches such as '{name}/member-00': "
+                                   f"{exc}") from None
+        store.repo.check_writable()  # the lease below is a file in the store
         self.store, self.name, self.metric, self.mode, self.fraction = store, name, metric, mode, fraction
         self.rng = random.Random(seed)
         if isinstance(hparams, list) and len(hparams) != size:
@@ -119,7 +132,14 @@ class Population:
     def exploit(self, member: Member, donor: Member | None = None) -> Version | None:
         """Truncation selection: if `member` is in the bottom fraction, fork a top member's
         latest version into it and copy the donor's hyperparameters. Returns the new version,
-        or None when the member is not in the bottom fraction."""
+        or None when the member is not in the bottom fraction. `donor`: that member instead of a random top one.
+        Raises InvalidArgumentError for a member or donor that is not one of this population's `members`, or a
+        donor that is the member itself; NotFoundError for a donor with no saved version."""
+        self._check_member(member, "member")
+        if donor is not None:
+            self._check_member(donor, "donor")
+            if donor is member:
+                raise InvalidArgumentError(f"donor {donor.branch} is the member itself; give another member")
         ranked = self.ranked()
         k = max(1, int(len(ranked) * self.fraction))
         if donor is None:
@@ -135,10 +155,23 @@ class Population:
         return self.store.fork(src, branch=member.branch, parents=[src.id], fork_of=src.id, force=True,
                                message=f"exploit: {member.branch} <- {donor.branch}")
 
+    def _check_member(self, m: Any, what: str) -> None:
+        if not isinstance(m, Member) or m.population is not self:
+            names = ", ".join(x.branch for x in self.members[:3])
+            raise InvalidArgumentError(
+                f"{what} {shown(m) if not isinstance(m, Member) else m.branch} is not a member of population "
+                f"{self.name!r}: give one of its `members` ({names}, ...), e.g. pop.members[0]")
+
     def explore(self, member: Member, hparams: dict[str, Any] | None = None, *,
                 perturb: dict[str, tuple[float, ...]] | None = None) -> Version:
         """Change the member's hyperparameters (given, or each numeric one in `perturb` multiplied
-        by a random factor) and record old -> new as the `explore` field of a new version."""
+        by a random factor) and record old -> new as the `explore` field of a new version. Raises
+        InvalidArgumentError with neither `hparams` nor `perturb` (nothing to explore), or for another
+        population's member; NotFoundError for a member with no saved version."""
+        self._check_member(member, "member")
+        if not hparams and not perturb:
+            raise InvalidArgumentError(f"explore of {member.branch} changes nothing: give hparams={{...}} or "
+                                       "perturb={'lr': (0.8, 1.2)}")
         head = member.head
         if head is None:
             raise NotFoundError(f"{member.branch} has no saved version yet; save before exploring")

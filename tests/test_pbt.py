@@ -85,6 +85,38 @@ def test_a_refused_explore_or_population_is_typed_and_changes_nothing(tmp_path: 
         pop.close()
 
 
+def test_bad_members_donors_names_and_fractions_are_refused(tmp_path: Path) -> None:
+    """A donor given by name raised AttributeError; another population's member and a number were taken silently
+    (None); a member its own donor was forked onto itself; fraction=2.0 made the best member copy a worse one; a
+    name no branch may have was taken, with its lease, until the first save (a review)."""
+    with ds.Store.open(tmp_path / "s") as store:
+        pop = Population(store, "sw", size=4)
+        other = Population(store, "other", size=2)
+        for i, m in enumerate(pop.members + other.members):
+            m.save({"w": torch.full((2,), float(i))}, metrics={"score": float(i)}, step=1)
+        versions = store.versions_table().num_rows
+        heads = store.branches()
+        for call, words in (
+                (lambda: pop.exploit(pop.members[0], donor="sw/member-03"), "donor 'sw/member-03' is not a member"),
+                (lambda: pop.exploit(other.members[0]), "member other/member-00 is not a member of population 'sw'"),
+                (lambda: pop.exploit(2), "member 2 is not a member"),  # type: ignore[arg-type]
+                (lambda: pop.exploit(pop.members[1], donor=pop.members[1]), "is the member itself"),
+                (lambda: pop.explore(pop.members[1]), "changes nothing"),
+                (lambda: pop.explore(other.members[1], {"lr": 1.0}), "not a member of population 'sw'")):
+            with pytest.raises(ds.InvalidArgumentError, match=re.escape(words)):
+                call()
+        assert store.versions_table().num_rows == versions and store.branches() == heads
+        for fraction in (2.0, 0, -0.1, 0.75, "0.2"):
+            with pytest.raises(ds.InvalidArgumentError, match="fraction"):
+                Population(store, "f", size=4, fraction=fraction)  # type: ignore[arg-type]
+        with pytest.raises(ds.InvalidNameError, match="population name 'bad name~'"):
+            Population(store, "bad name~", size=2)
+        assert sorted(p.name for p in (store.path / "leases").iterdir()) == ["pbt-other.json", "pbt-sw.json"]
+        assert pop.exploit(pop.members[0], donor=pop.members[3]).parents == (heads["sw/member-03"],)
+        pop.close()
+        other.close()
+
+
 def test_family_tree_and_replay(tmp_path: Path) -> None:
     store, pop = _run(tmp_path)
     tree = pop.family_tree().to_pylist()

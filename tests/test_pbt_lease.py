@@ -106,7 +106,7 @@ def test_a_leased_lineage_past_a_version_not_on_this_node_keeps_every_version(tm
         release(tmp_path / "cold", "pop")
 
 
-@pytest.mark.parametrize("name", ["sweep", "a/b c"])
+@pytest.mark.parametrize("name", ["sweep", "a/b.c-d_e"])
 def test_population_close_releases_only_its_own_lease(tmp_path: Path, name: str) -> None:
     from datastates.meta import leases
     from datastates.pbt import Population
