@@ -92,7 +92,7 @@ def test_a_mapped_load_equals_a_read_and_views_the_packs(tmp_path: Path) -> None
             assert loc is not None
             k = r["key"] if r["kind"] == "tensor" else "tied_a"  # the storage row's bytes are tied_a's
             where = _mapped_file(mapped[k])
-            aligned = loc.offset % mapped[k].element_size() == 0
+            aligned = loc.offset % mapped[k].element_size() == 0 and not r["stride"]  # (a kept layout is copied)
             assert (where is not None and where.startswith("rw-p ") and Path(where[5:]).name in packs) == aligned, (
                 k, where, loc.offset)
             assert not _in_pack(read[k]), k
