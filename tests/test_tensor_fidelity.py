@@ -139,3 +139,23 @@ def test_a_change_through_one_view_shows_in_diff_and_history_of_the_other(store:
     assert [r["chunks_changed"] for r in hist_b] == [None, 1]
     assert [r["chunks_changed"] for r in hist_a] == [None, 0]
     assert torch.equal(store.load(v2)["b"], flat[1000:])
+
+
+def test_one_tensor_under_keys_with_other_flags_keeps_each_keys_flags(store: ds.Store) -> None:
+    """`{"a": t, "b": t.detach()}` with t trainable gave b trainable too (one object for both keys), and a Parameter
+    under two keys came back as two Parameters (a review); torch.load gives one Parameter, and b not trainable."""
+    t = torch.ones(3, requires_grad=True)
+    p = torch.nn.Parameter(torch.arange(3.0))
+    frozen = torch.nn.Parameter(torch.zeros(2), requires_grad=False)
+    state = {"a": t, "b": t.detach(), "p": p, "tied": p, "p_data": p.detach(), "frozen": frozen, "f2": frozen}
+    for how in ("sync", "async"):
+        v = store.save(state) if how == "sync" else store.save_async(state).result()
+        got = store.load(v)
+        assert got["a"].requires_grad and not got["b"].requires_grad
+        assert got["a"].data_ptr() == got["b"].data_ptr()  # still one storage
+        assert got["p"] is got["tied"] and isinstance(got["p"], torch.nn.Parameter) and got["p"].requires_grad
+        assert type(got["p_data"]) is torch.Tensor and not got["p_data"].requires_grad
+        assert got["p_data"].data_ptr() == got["p"].data_ptr()
+        assert got["frozen"] is got["f2"] and not got["frozen"].requires_grad
+        got["b"][0] = 7.0  # one storage: a sees it, as after torch.load
+        assert got["a"][0].item() == 7.0

@@ -802,6 +802,21 @@ Route = dict[int, list[int]]
 _CONTAINERS = ("dict", "odict", "list", "tuple")
 
 
+class _Handed:
+    """`unflatten`'s tensor source, remembering what it made of each loaded tensor, per key flags."""
+
+    def __init__(self, source: Callable[[int], Any]) -> None:
+        self._source = source
+        self._made: dict[int, tuple[Any, dict[tuple[Any, ...], Any]]] = {}
+
+    def __call__(self, i: int) -> Any:
+        return self._source(i)
+
+    def handed(self, val: Any) -> dict[tuple[Any, ...], Any]:
+        # keyed by id, holding `val` so the id stays its own for the whole unflatten
+        return self._made.setdefault(id(val), (val, {}))[1]
+
+
 def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: bool = False, path: str = "",
               select: Callable[[str], bool] | None = None, route: Route | None = None, root: bool = True) -> Any:
     """Rebuild the saved containers around `tensor(row)`; pickle only with `allow_pickle`. `root`: `node` is
@@ -811,6 +826,8 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
     sentinel) is left out of its container. With a `route` (`PathIndex.route`),
     a container that `select` does not name visits only the children on it.
     """
+    if root and not isinstance(tensor, _Handed):
+        tensor = _Handed(tensor)
     t = node["t"]
     if select is not None and t not in _CONTAINERS and not select(path):
         return SKIP
@@ -818,13 +835,24 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
         val = tensor(node["i"])
         if val is SKIP:
             return SKIP
+        # One loaded tensor may stand for several keys (the same tensor, or identical views, saved under each).
+        # Keys with the same flags get the same object (a Parameter under two keys is one Parameter, as
+        # torch.load gives it); a key with other flags gets an object of its own over the same storage, so
+        # that making one trainable does not make the other so (`{"a": t_grad, "b": t_grad.detach()}`).
+        flags = (node.get("param"), bool(node.get("grad")), bool(node.get("np")))
+        handed = tensor.handed(val) if isinstance(tensor, _Handed) else {}
+        if flags in handed:
+            return handed[flags]
+        if handed:
+            val = val.detach()
         if node.get("np"):
-            return val.numpy()
-        if "param" in node:
-            return torch.nn.Parameter(val, requires_grad=node["param"])
-        if node.get("grad") and not val.requires_grad:
-            val = val.requires_grad_(True)
-        return val
+            out_t: Any = val.numpy()
+        elif "param" in node:
+            out_t = torch.nn.Parameter(val, requires_grad=node["param"])
+        else:
+            out_t = val.requires_grad_(True) if node.get("grad") and not val.requires_grad else val
+        handed[flags] = out_t
+        return out_t
     if t == "v":
         return node["v"]
     if t == "bytes":
@@ -863,7 +891,13 @@ def unflatten(node: dict[str, Any], tensor: Callable[[int], Any], allow_pickle: 
                 f"{path or '<state>'} was saved with pickle; loading it runs code chosen by whoever saved it. "
                 "Pass allow_pickle=True (on the command line: --allow-pickle) only if you trust this store"
             )
-        return pickle.loads(base64.b64decode(node["v"]))
+        try:
+            return pickle.loads(base64.b64decode(node["v"]))
+        except Exception as exc:  # a class gone from this environment (ModuleNotFoundError, AttributeError)
+            raise UnsupportedValueError(
+                f"{path or '<state>'} was saved with pickle and cannot be unpickled here ({type(exc).__name__}: "
+                f"{exc}): make the code that defined it importable (the same package and module), or load the "
+                "other keys with keys=[...]") from exc
     raise UnsupportedValueError(f"{path or '<state>'} has node type {t!r} unknown to this datastates; upgrade it")
 
 
