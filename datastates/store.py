@@ -634,7 +634,8 @@ class Store(Queries):
              allow_pickle: bool = False, rank: int | str | None = None, comm: Any = None, mmap: bool = False) -> Any:
         """The saved state, rebuilt with the same container types; tensors bit-exact.
 
-        `keys` selects key paths (exact, a prefix ending at a '.', or a glob). A version saved by
+        `keys` selects key paths (exact; a prefix of whole
+        segments, 'model' for 'model.fc.weight'; or a glob). A version saved by
         several ranks: by default each rank of `comm` (default: the store's) gets its own entries;
         at another world size, the replicated entries (from rank 0's manifest); `rank=r` reads
         rank r's entries whatever the world size. `device`: where the tensors are made; onto a GPU the

@@ -450,3 +450,21 @@ def test_a_refused_huge_value_is_shown_cut_short(tmp_path: Path) -> None:
         message = _refused(store, InvalidArgumentError, message="z" * 5_000_000 + "\x00")
         assert "contains a NUL character" in message and len(message) < 300
         assert len(_refused(store, InvalidArgumentError, metrics={"loss": ["x" * 100_000]})) < 400
+
+
+def test_a_pickled_value_whose_class_is_gone_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """load(allow_pickle=True) raised a bare ModuleNotFoundError naming no key, and the CLI export a traceback."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "gone_cfg.py").write_text("class Cfg:\n    lr = 0.1\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "mods"))
+    import gone_cfg  # type: ignore[import-not-found]
+
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save({"w": torch.ones(2), "cfg": gone_cfg.Cfg()}, allow_pickle=True)
+    monkeypatch.delitem(sys.modules, "gone_cfg")
+    (tmp_path / "mods" / "gone_cfg.py").unlink()
+    with ds.Store.open(tmp_path / "s") as store:
+        with pytest.raises(ds.UnsupportedValueError, match=r"^cfg was saved with pickle and cannot be unpickled here "
+                                                           r"\(ModuleNotFoundError"):
+            store.load(v, allow_pickle=True)
+        assert store.load(v, keys=["w"])["w"].tolist() == [1.0, 1.0]

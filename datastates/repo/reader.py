@@ -41,9 +41,10 @@ def load(repo: Repository, ref: Any, *, keys: Iterable[str] | None = None, devic
          version: Version | None = None, mmap: bool = False) -> Any:
     """The saved state, rebuilt with the same container types; tensors bit-exact.
 
-    `keys` selects key paths (exact, a prefix ending at a '.', or a glob). `version`: the record of
-    `ref` when the caller has just read it (it is not read again). `mmap`: host tensors are made on private
-    mappings of the packs where they can be (`_map_rows`); onto an accelerator it changes nothing.
+    `keys` selects key paths (exact; a prefix of whole segments, 'model' for 'model.fc.weight'; or a
+    glob). `version`: the record of `ref` when the caller has just read it (it is not read again). `mmap`: host
+    tensors are made on private mappings of the packs where they can be (`_map_rows`); onto an accelerator it
+    changes nothing.
     Raises NotFoundError (ref, key), PrunedError, IntegrityError,
     UnsupportedValueError (pickle without allow_pickle), DeviceError (before reading anything).
     """
@@ -478,7 +479,10 @@ def _key_selector(keys: list[str], m: Manifest, v: Version) -> tuple[Any, Route 
             raise InvalidNameError(f"key {k!r} must be a non-empty string path like 'model.fc.weight'")
         if not (k in found if k in exact else
                 any(e == k or e.startswith(k + ".") or fnmatch.fnmatchcase(e, k) for e in existing)):
-            raise NotFoundError(f"version {v.short} has no key {k!r}; `datastates ls {v.short}` lists its keys")
+            trailing = (f" (a prefix names whole segments without the dot: {k.rstrip('.')!r})"
+                        if k.endswith(".") and k.rstrip(".") else "")
+            raise NotFoundError(f"version {v.short} has no key {k!r}{trailing}; `datastates ls {v.short}` lists its "
+                                "keys")
 
     def select(path: str) -> bool:
         if path in exact:
