@@ -41,7 +41,7 @@ from .errors import (
     name_store,
 )
 from .maintenance.eviction import Evictor
-from .maintenance.flush import Flusher
+from .maintenance.flush import Flusher, ref_conflicts
 from .maintenance.fsck import fsck
 from .maintenance.gc import COLD_GRACE_S, gc
 from .maintenance.refresh import refresh
@@ -511,11 +511,13 @@ class Store(Queries):
         return refresh(self.repo)
 
     def tiers_status(self) -> list[dict[str, Any]]:
-        """Per tier: path, bytes in packs, capacity, pack count, reachability; and the flush backlog."""
+        """Per tier: path, bytes in packs, capacity, pack count, reachability; and the flush backlog, its last error
+        and the refs this node and cold disagree on for good (`ref_conflicts`, read from the refs: any process
+        sees them, not only the one whose flush met them)."""
         out = self.repo.objects.usage()
         if self.flusher is not None:
             out[-1].update({"backlog": self.flusher.backlog, "last_error": self.flusher.last_error,
-                            "conflicts": list(self.flusher.conflicts)})
+                            "conflicts": ref_conflicts(self.repo)})
         return out
 
     def _evict(self) -> None:

@@ -82,7 +82,8 @@ def _placeholders(store: Path, kind: str, template: str, tmp: Path) -> dict[str,
             else:
                 s.branch("scratch", at="main", force=True)
     return {"name": "scratch" if deletes else "main", "ref": "main", "v.short": short, "va.short": short,
-            "new[:12]": short, "head[:12]": short, "kind": kind, "kind_name[0]": kind, "root": str(tmp / "fresh")}
+            "new[:12]": short, "head[:12]": short, "there[:12]": short, "kind": kind, "kind_name[0]": kind,
+            "root": str(tmp / "fresh")}
 
 
 def _expand(template: str) -> list[tuple[str, str]]:

@@ -170,6 +170,18 @@ def test_racing_hosts_on_one_branch_lose_nothing(tmp_path: Path) -> None:
     assert c.load(loser)["i"].item() == loser.step
     for s in (a, b, c):
         s.close()
+    # Any later process on the losing node sees the split, not only the one whose flush met it (a review).
+    from datastates.cli import main as cli
+
+    loser_hot = tmp_path / ("hot-b" if loser is vb else "hot-a")
+    with ds.Store.open(cold, hot=loser_hot) as s:  # (config.toml now names this node's hot tier)
+        [conflict] = s.tiers_status()[-1]["conflicts"]
+        assert conflict.startswith(f"branch 'main' is at {loser.short} here and at {heads[:12]} on cold, on two lines")
+    hint = conflict.split("`")[1]
+    assert hint == f"datastates branch -f main {heads[:12]}"
+    assert cli(["--store", str(cold), *hint.split()[1:]]) == 0
+    with ds.Store.open(cold, hot=loser_hot) as s:
+        assert s.tiers_status()[-1]["conflicts"] == [] and s.resolve("main") == heads
 
 
 def test_corrupt_hot_chunk_falls_back_to_cold_and_repairs_hot(tmp_path: Path) -> None:

@@ -41,6 +41,37 @@ class _Waiting(Exception):
 ROLES = ("all", "part", "publisher")
 
 
+def ref_conflicts(store: Repository) -> list[str]:
+    """The refs this node and the cold tier disagree on for good: a branch whose two heads are not on one line
+    (neither an ancestor of the other: another node moved it on cold meanwhile), a tag naming two versions. Read
+    from the refs, so any process sees them (`datastates tiers`), not only the one whose flush met them; a head
+    the catalog does not hold yet (not refreshed) is not judged. Empty without a cold tier or when it is
+    unreachable."""
+    from ..query.lineage import is_ancestor
+
+    if store.cold_refs is None:
+        return []
+    out: list[str] = []
+    try:
+        cold_branches, cold_tags = store.cold_refs.names("branch"), store.cold_refs.names("tag")
+    except OSError:
+        return []
+    graph, catalog = store.graph, store.catalog
+    for name, here in sorted(store.refs.names("branch").items()):
+        there = cold_branches.get(name)
+        if there is None or there == here or catalog.record(there) is None or catalog.record(here) is None:
+            continue
+        if not is_ancestor(graph, there, here) and not is_ancestor(graph, here, there):
+            out.append(f"branch {name!r} is at {here[:12]} here and at {there[:12]} on cold, on two lines; "
+                       f"keep one: `datastates branch -f {name} {there[:12]}` takes cold's (or save under "
+                       "another branch name)")
+    for name, here in sorted(store.refs.names("tag").items()):
+        there = cold_tags.get(name)
+        if there is not None and there != here:
+            out.append(f"tag {name!r} names {here[:12]} here and {there[:12]} on cold")
+    return out
+
+
 class Flusher:
     """Background copier hot -> cold; one per tiered store.
 
