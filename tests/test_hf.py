@@ -74,6 +74,11 @@ def test_each_checkpoint_is_a_version_and_a_resume_continues_exactly(tmp_path: P
         Trainer(model=Tiny(), args=_args(tmp_path / "b"), train_dataset=_data(),
                 callbacks=[resumed]).train(resume_from_checkpoint=str(ck))
         assert resumed.seen == [s for s in full.seen if s[0] > 8]  # steps 9..12, the same losses
+        before = {p.name: p.read_bytes() for p in ck.iterdir()}
+        assert checkpoint_dir(store, "run", tmp_path / "resume").name == "checkpoint-12"  # a new directory
+        with pytest.raises(ds.InvalidArgumentError, match="exists and is not empty"):
+            checkpoint_dir(store, "run~1", tmp_path / "resume")  # step 8 again: refused, nothing overwritten
+        assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
 
 
 def test_a_version_not_saved_by_the_callback_is_refused(tmp_path: Path) -> None:

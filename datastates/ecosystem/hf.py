@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..errors import NotFoundError
+from ..errors import InvalidArgumentError, NotFoundError
 from ..meta.refs import check_name
 from ..save.foreign import latest_numbers
 from ..save.job import SaveHandle
@@ -101,12 +101,16 @@ class DataStatesCallback(TrainerCallback):  # type: ignore[misc]
 def checkpoint_dir(store: Store, ref: Any, out: str | os.PathLike[str]) -> Path:
     """Write version `ref` (saved by DataStatesCallback) as a Trainer checkpoint directory under `out`
     and return it, for `trainer.train(resume_from_checkpoint=...)`. Raises NotFoundError when the
-    version was not saved by the callback."""
+    version was not saved by the callback, InvalidArgumentError when that checkpoint directory exists and is
+    not empty (nothing is overwritten, as `export` does)."""
     state = store.load(ref)
     if not isinstance(state, dict) or "trainer_state" not in state or "model" not in state:
         raise NotFoundError(f"version {ref!r} was not saved by DataStatesCallback (no model/trainer_state)")
     trainer_state = state["trainer_state"]
     path = Path(out) / f"checkpoint-{trainer_state.get('global_step', 0)}"
+    if path.is_dir() and any(path.iterdir()):
+        raise InvalidArgumentError(f"{path} exists and is not empty (a Trainer's own checkpoint?); nothing was "
+                                   "overwritten: give another out= directory, or remove that one first")
     path.mkdir(parents=True, exist_ok=True)
     torch.save({k: v.contiguous() for k, v in state["model"].items()}, path / "pytorch_model.bin")
     if "optimizer" in state:

@@ -335,7 +335,8 @@ class Repository:
 
     def manifest_of(self, v: Version, rank: int | str = 0) -> Manifest:
         if v.pruned:
-            raise PrunedError(f"version {v.short} was pruned: its record is kept for lineage, its tensors are gone")
+            raise PrunedError(f"version {v.short} was pruned: its record is kept for lineage, its tensors are gone; "
+                              "load a version that was kept (`datastates log` marks the pruned ones [pruned])")
         if v.damaged:
             raise IntegrityError(f"version {v.short} is damaged: {v.damaged} had no intact copy and is in "
                                  "quarantine/ (see quarantine/report.jsonl); restore that file from a backup, "
