@@ -37,6 +37,7 @@ from .errors import (
     InvalidArgumentError,
     PrunedError,
     SaveFailedError,
+    StoreClosedError,
     check_keywords,
     name_store,
 )
@@ -57,7 +58,7 @@ from .repo.opening import open_repository
 from .repo.recovery import restore_lost_nodes, share_packs
 from .repo.repository import Repository
 from .save.buffers import BufferPool, default_pool_bytes
-from .save.collective import make_visible_collective, matches
+from .save.collective import make_visible_collective, matches, refuse_together
 from .save.commit import Staged, check_branch_move, make_fork_visible, make_staged_visible, make_visible, stage
 from .save.job import SaveHandle, SaveJob
 from .save.manifest import Manifest, TensorInfo
@@ -379,22 +380,30 @@ class Store(Queries):
         `force`), SaveFailedError for an earlier failed background save.
         """
         t_call = time.perf_counter()
-        self.repo.check_writable()
-        self._raise_pending()
-        if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
-            raise InvalidArgumentError(
-                f"optimizer= takes the torch.optim.Optimizer whose next step() waits for this lazy save's copy, not "
-                f"a {type(optimizer).__name__}; pass the optimizer, or put the object in the state")
-        request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=epoch, hparams=hparams,
-                               metrics=metrics, message=message, fork_of=fork_of, explore=explore, force=force)
-        if branch is not None:
-            self.repo.check_unlike_other_kind("branch", branch)  # saving creates the branch if missing
-            if request["parents"] is not None and self.comm.size == 1:
-                # Now, so a refused save writes nothing; the commit checks again under the ref lock. Not on a
-                # job of several ranks: one rank's refusal here would leave the others waiting in the save's
-                # collectives, so there rank 0's commit refuses it, on every rank at once.
-                check_branch_move(self.refs, self.catalog, branch, self.refs.get("branch", branch),
-                                  request["parents"], force)
+        try:
+            self.repo.check_writable()
+            self._raise_pending()
+            if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
+                raise InvalidArgumentError(
+                    f"optimizer= takes the torch.optim.Optimizer whose next step() waits for this lazy save's copy, "
+                    f"not a {type(optimizer).__name__}; pass the optimizer, or put the object in the state")
+            request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=epoch,
+                                   hparams=hparams, metrics=metrics, message=message, fork_of=fork_of,
+                                   explore=explore, force=force)
+            if branch is not None:
+                self.repo.check_unlike_other_kind("branch", branch)  # saving creates the branch if missing
+                if request["parents"] is not None and self.comm.size == 1:
+                    # Now, so a refused save writes nothing; the commit checks again under the ref lock. Not on a
+                    # job of several ranks: one rank's refusal here would leave the others waiting in the save's
+                    # collectives, so there rank 0's commit refuses it, on every rank at once.
+                    check_branch_move(self.refs, self.catalog, branch, self.refs.get("branch", branch),
+                                      request["parents"], force)
+        except DataStatesError as exc:
+            if self.comm.size > 1 and not isinstance(exc, StoreClosedError):
+                # The other ranks are in the save's plan: they refuse it too (a closed store's rank never gets
+                # there, as it cannot take part in any collective any more).
+                refuse_together(self.comm, exc)
+            raise
         use = self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged
         return self._saver.submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
                                   reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,

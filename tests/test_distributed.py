@@ -157,6 +157,18 @@ def test_mpi_a_value_one_rank_cannot_save_refuses_the_save_on_every_rank(tmp_pat
     assert all(r["step"] == 2 and r["shards"] == [2.0, 102.0] for r in out)
 
 
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_an_argument_one_rank_refuses_refuses_the_save_on_every_rank(tmp_path: Path) -> None:
+    """An argument save_async refuses before the plan (optimizer= that is none), on one rank: the others waited in
+    the plan until the communicator's timeout (the twenty-seventh session's note)."""
+    _, out = mpirun(2, tmp_path / "store", "badarg")
+    assert {r["rank"]: r["first"] for r in out} == {0: "InvalidArgumentError", 1: "InvalidArgumentError"}
+    assert len({r["second"] for r in out}) == 1
+    assert all(r["step"] == 2 and r["versions"] == 1 for r in out)
+
+
 def _check_pipelined(out: list[dict[str, Any]], size: int) -> None:
     assert sorted(r["rank"] for r in out) == list(range(size))
     assert len({tuple(r["ids"]) for r in out}) == 1 and len(set(out[0]["ids"])) == 6

@@ -137,6 +137,18 @@ def main() -> None:
         v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
         report(rank, {"rank": rank, "first": first, "second": v.id, "step": v.step,
                       "shards": [store.load(v.id, rank=r, keys=["shard"])["shard"][0].item() for r in range(size)]})
+    elif mode == "badarg":
+        # Only rank 1 passes an argument save_async refuses before the save's collectives (an optimizer= that is
+        # none): rank 0 waited in the plan until the communicator's timeout. Every rank must refuse it.
+        state = {**replicated_state(1), "shard": shard(rank, 1)}
+        kw: dict[str, object] = {"optimizer": "not an optimizer"} if rank == 1 else {}
+        try:
+            store.save_async(state, step=1, replicated=["model", "optim"], lazy=True, **kw).result()  # type: ignore[arg-type]
+            first = "saved"
+        except ds.DataStatesError as exc:
+            first = type(exc).__name__
+        v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
+        report(rank, {"rank": rank, "first": first, "second": v.id, "step": v.step, "versions": len(store.find(""))})
     elif mode == "pipelined":
         # save_async back to back, as a training loop does: the next save's plan (on this thread) runs while the
         # pipeline thread commits the one before; their collectives crossed on one communicator.
