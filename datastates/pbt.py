@@ -15,6 +15,7 @@ at exit.
 from __future__ import annotations
 
 import atexit
+import numbers
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -76,9 +77,12 @@ class Population:
                  seed: int = 0) -> None:
         if mode not in ("min", "max"):
             raise InvalidArgumentError(f"mode {mode!r} must be 'min' or 'max'")
-        if type(size) is not int or size < 2:
+        given: Any = size  # (numpy integers and floats are numbers too)
+        if isinstance(given, bool) or not isinstance(given, numbers.Integral) or given < 2:
             raise InvalidArgumentError(f"a population needs at least 2 members, not {shown(size)}")
-        if type(fraction) not in (int, float) or not 0 < fraction <= 0.5:
+        size = int(given)
+        given = fraction
+        if isinstance(given, bool) or not isinstance(given, numbers.Real) or not 0 < float(given) <= 0.5:
             raise InvalidArgumentError(
                 f"fraction {shown(fraction)} must be a number in (0, 0.5]: the bottom fraction copies from the top "
                 "one, and above a half the two overlap (0.25 is the usual truncation selection)")

@@ -493,7 +493,7 @@ class Store(Queries):
         """Wait until the flusher's backlog is on cold (queueing `ref` first, if given); True if done (at once
         on a store without a cold tier). Raises StoreClosedError, NotFoundError for a `ref` that names nothing
         (with or without tiers: a typo is not a success)."""
-        if ref is None:
+        if ref is None or self.repo.cold is None:
             self._check_open()
         else:
             self.repo.check_writable()  # it queues a copy to cold

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,6 +110,7 @@ def test_bad_members_donors_names_and_fractions_are_refused(tmp_path: Path) -> N
         for fraction in (2.0, 0, -0.1, 0.75, "0.2"):
             with pytest.raises(ds.InvalidArgumentError, match="fraction"):
                 Population(store, "f", size=4, fraction=fraction)  # type: ignore[arg-type]
+        Population(store, "np", size=np.int64(2), fraction=np.float64(0.5)).close()  # numpy numbers are numbers
         with pytest.raises(ds.InvalidNameError, match="population name 'bad name~'"):
             Population(store, "bad name~", size=2)
         assert sorted(p.name for p in (store.path / "leases").iterdir()) == ["pbt-other.json", "pbt-sw.json"]

@@ -61,7 +61,6 @@ def test_read_only_store_loads_and_refuses_every_write(saved: tuple[Path, list[s
             "gc": lambda: s.gc(),
             "fsck --repair": lambda: s.fsck(repair=True),
             "fsck --rebuild": lambda: s.fsck(rebuild=True),
-            "flush": lambda: s.flush(vids[0]),
             "refresh": lambda: s.refresh(),
             "stage": lambda: s.stage(_state(9)),
             "reserve": lambda: s.reserve(_state(9)),
@@ -70,6 +69,7 @@ def test_read_only_store_loads_and_refuses_every_write(saved: tuple[Path, list[s
             with pytest.raises(ds.ReadOnlyStoreError, match="read_only=True") as info:
                 call()
             assert str(path) in str(info.value), name
+        assert s.flush(vids[0]) is True  # one tier: nothing to flush, as on a writable store
         assert s.tags() == {"first": vids[0]}
         assert s.branches() == {"main": vids[2]}
     finally:
@@ -123,8 +123,53 @@ def test_read_only_two_tier_reads_cold_without_promoting(tmp_path: Path) -> None
         assert torch.equal(s.load(vid)["w"], _state(1)["w"])
         with pytest.raises(ds.ReadOnlyStoreError):
             s.save(_state(2))
+        with pytest.raises(ds.ReadOnlyStoreError):
+            s.flush(vid)  # two tiers: it would queue a copy
     assert snapshot(hot, with_catalog=True) == hot_before  # no promotion into hot, no catalog write
     assert snapshot(cold, with_catalog=True) == cold_before
+
+
+@pytest.mark.parametrize("damage", ["corrupt hot pack", "corrupt hot manifest", "manifest only on cold"])
+def test_read_only_reads_mend_nothing_on_hot(tmp_path: Path, damage: str) -> None:
+    """A read meeting a damaged or missing hot copy mends it from cold: not on a store opened read-only (a review:
+    each of these wrote into the hot tier)."""
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    with ds.Store.open(cold, hot=hot, flush=ds.Flush(every=1)) as s:
+        vid = s.save(_state(4)).id
+        assert s.flush(vid)
+    if damage == "corrupt hot pack":
+        pack = next((hot / "packs").rglob("*.pack"))
+        raw = bytearray(pack.read_bytes())
+        raw[100] ^= 0xFF
+        pack.write_bytes(bytes(raw))
+    else:
+        for m in [m for m in (hot / "manifests").rglob("*") if m.is_file()]:
+            if damage == "corrupt hot manifest":
+                raw = bytearray(m.read_bytes())
+                raw[5] ^= 1
+                m.write_bytes(bytes(raw))
+            else:
+                m.unlink()
+    before = snapshot(hot, with_catalog=True)
+    with ds.Store.open(cold, hot=hot, read_only=True) as s:
+        assert torch.equal(s.load(vid)["w"], _state(4)["w"])
+    assert snapshot(hot, with_catalog=True) == before
+    with ds.Store.open(cold, hot=hot) as s:  # a writable open mends it, as before
+        assert torch.equal(s.load(vid)["w"], _state(4)["w"])
+    assert snapshot(hot, with_catalog=True) != before
+
+
+def test_a_refused_writable_open_writes_nothing(tmp_path: Path) -> None:
+    """The writable open of a two-tier store open read-only in this process rewrote config.toml with its settings
+    before the catalog refused it (a review)."""
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    with ds.Store.open(cold, hot=hot) as s:
+        s.save(_state(1))
+    before = snapshot(cold), snapshot(hot, with_catalog=True)
+    with ds.Store.open(cold, hot=hot, read_only=True), \
+            pytest.raises(ds.ReadOnlyStoreError, match=f"store {cold} is open read-only in this process"):
+        ds.Store.open(cold, hot=hot, flush=ds.Flush(every=7), hot_capacity="1GB")
+    assert (snapshot(cold), snapshot(hot, with_catalog=True)) == before
 
 
 def test_read_only_flag_is_checked(tmp_path: Path) -> None:

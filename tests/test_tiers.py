@@ -453,6 +453,7 @@ def test_a_hot_tier_deleted_while_open_refuses_saves_and_a_reopen_recovers(tmp_p
         with pytest.raises(ds.StoreFormatError, match="was deleted"):
             s.tag("t", first)
         assert s.load(first)["w"][0].item() == 1.0  # read from cold, not promoted into the deleted tier
+        assert not hot.exists()  # nor its manifest kept there (a review)
     finally:
         s.close()
     assert not hot.exists()

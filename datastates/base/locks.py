@@ -18,17 +18,20 @@ STALE_LOCK_S = 30.0
 
 
 @contextmanager
-def flocked(path: Path, shared: bool = False) -> Iterator[None]:
+def flocked(path: Path, shared: bool = False, reading: bool = False) -> Iterator[None]:
     """Hold `flock` on `path` (made if missing, with its folder), exclusive or `shared`, across the processes of
     one host; released when the block ends or the process dies. Not for shared file systems (see `lockfile`).
 
-    A process that may not write the folder (a reader of a store it may only read) locks the file opened for
-    reading, which flock allows; if the file is not there, and cannot be made, it holds no lock: no process that
-    may write has made the file yet, and this one writes nothing."""
+    `reading`: the holder writes nothing under the lock (fsck without repair). Such a process that may not write
+    the folder (a reader of a store it may only read) locks the file opened for reading, which flock allows; if
+    the file is not there, and cannot be made, it holds no lock: no process that may write has made it yet. A
+    writer gets the PermissionError: it never goes on without the lock."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except PermissionError:
+        if not reading:
+            raise
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:

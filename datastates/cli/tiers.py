@@ -41,7 +41,8 @@ def _tiers(store: Store, args: argparse.Namespace) -> int:
 
 def _flush(store: Store, args: argparse.Namespace) -> int:
     if store.flusher is None:
-        print("this store has one tier; nothing to flush")
+        print("this store has one tier; nothing to flush" if store.cold is None else
+              "this store is open read-only (this user may not write it); nothing is flushed from here")
         return 0
     from ..base.progress import bar as progress_bar
 

@@ -126,7 +126,7 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
     store = as_repository(store)
     rep = FsckReport()
     tier, cat = store.tier, store.catalog
-    with tier.exclusive():
+    with tier.exclusive(reading=not (repair or rebuild)):
         if rebuild:
             n = rebuild_catalog(store)
             rep.repaired.append(f"rebuilt the catalog from files: {n} versions")

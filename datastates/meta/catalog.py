@@ -51,6 +51,11 @@ def _forget_inherited() -> None:
     _OPEN_LOCK = threading.Lock()
 
 
+def opened_read_only(path: Path) -> bool:
+    """Whether the catalog at `path` is open read-only in this process (a writable open of it is then refused)."""
+    return os.path.realpath(path) in _READ_ONLY
+
+
 def read_only_message(store: Path | str, unwritable: Path | None = None) -> str:
     """What a call that writes is told on a store opened read-only: by `read_only=True`, or by itself because this
     process may not write `unwritable`."""

@@ -118,7 +118,9 @@ class ObjectStore:
     """Chunk reads across tiers with verification, fallback, repair and promotion; dedup; pins."""
 
     def __init__(self, hot: Tier, cold: Tier | None, index: ChunkIndex, *, verify: bool = True,
-                 promote: bool = True, hot_capacity: int | None = None) -> None:
+                 promote: bool = True, hot_capacity: int | None = None, read_only: bool = False) -> None:
+        self.read_only = read_only
+        """A store opened read-only: reads mend, copy and promote nothing (`_hot_writable`)."""
         self.hot = hot
         """The tier saves write to (the only one without a cold tier)."""
         self.cold = cold
@@ -268,14 +270,15 @@ class ObjectStore:
                 "(it moves damaged files to quarantine/ and marks the version damaged)")
         src, data = good
         for t, where in bad:  # mend copies a read would meet first (hot) from the good one
-            if self.tiers.index(t) < self.tiers.index(src):
+            if self.tiers.index(t) < self.tiers.index(src) and self._hot_writable():
                 try:
                     replace(t.manifest_path(oid) if kind == "manifest" else t.record_path(oid), data)
                     log.warning("%s %s: replaced the damaged copy %s by the good one on tier %s",
                                 kind, oid[:12], where, src.name)
                 except OSError:
                     pass
-        if kind == "manifest" and src is not self.hot and not any(t is self.hot for t, _ in bad):
+        if kind == "manifest" and src is not self.hot and not any(t is self.hot for t, _ in bad) \
+                and self._hot_writable():
             try:
                 write_new(self.hot.manifest_path(oid), data)
             except OSError:
@@ -595,11 +598,17 @@ class ObjectStore:
                 f"(blake3 mismatch) on tier {t.name}; run `datastates fsck`"
             )
 
+    def _hot_writable(self) -> bool:
+        """Whether a read may write into the hot tier (mend a damaged copy, keep a manifest or pack read from cold):
+        not on a store opened read-only, nor into a hot tier deleted while the store was open (its files would
+        make a directory without FORMAT that no open accepts)."""
+        return not self.read_only and (self.hot.root / "FORMAT").exists()
+
     def _after_cold_read(self, pack: str, repair: bool) -> None:
         assert self.cold is not None
         src, dst = self.cold.pack_path(pack), self.hot.pack_path(pack)
-        if not (self.hot.root / "FORMAT").exists():
-            return  # a hot tier deleted while open: no pack is put into a directory that no open would accept
+        if not self._hot_writable():
+            return
         try:
             if repair:
                 log.warning("pack %s was corrupt on hot; replaced it with the good copy from cold", pack)

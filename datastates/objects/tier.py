@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 
+import blake3
+
 from ..base.files import append_line, replace, write_new
 from ..base.locks import flocked, lockfile
 from ..errors import NotFoundError, StoreFormatError
@@ -28,6 +30,20 @@ from .packs import PackReader, PackWriter
 
 FORMAT = 1
 """The store format number in FORMAT files; a reader refuses a newer one."""
+
+
+FORMAT_SUM = "blake3"
+"""Key of FORMAT holding the blake3 of the JSON of its other keys (written since 2026-11-29; FORMATs without it
+are read as they are)."""
+
+
+def _format_sum(info: dict[str, object]) -> str:
+    return blake3.blake3(json.dumps(info, sort_keys=True).encode()).hexdigest()
+
+
+def _format_bytes(info: dict[str, object]) -> bytes:
+    plain = {k: v for k, v in info.items() if k != FORMAT_SUM}
+    return json.dumps(plain | {FORMAT_SUM: _format_sum(plain)}, sort_keys=True).encode()
 
 
 class Tier:
@@ -73,6 +89,13 @@ class Tier:
             fmt = int(info["format"])
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreFormatError(f"{f} is damaged ({exc}); restore it from another tier or a backup") from exc
+        stored = info.pop(FORMAT_SUM, None)
+        if stored is not None and stored != _format_sum(info):
+            # A flipped digit of chunk_size parsed as another valid size: without the sum it went unnoticed.
+            raise StoreFormatError(
+                f"{f} does not match its checksum (a byte of it changed): restore it from the other tier or a "
+                "backup, or write it again as docs/format.md section 2 shows, with the chunk_size this store was "
+                "made with (16777216 unless chosen)")
         if fmt > FORMAT:
             raise StoreFormatError(
                 f"store {self.root} has format {fmt}; this datastates reads up to format {FORMAT}: upgrade datastates"
@@ -81,14 +104,13 @@ class Tier:
 
     def create(self, settings: dict[str, object]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
-        write_new(self.root / "FORMAT", json.dumps({"format": FORMAT, "created": time.time(), **settings},
-                                                    sort_keys=True).encode())
+        write_new(self.root / "FORMAT", _format_bytes({"format": FORMAT, "created": time.time(), **settings}))
 
     def mark_cold(self, info: dict[str, object]) -> None:
         """Record in FORMAT that this directory is a cold tier (`"tier": "cold"`), so that an open without its
-        config.toml refuses it instead of making it a store of its own. Only that key is added; an atomic
-        replace, so a reader sees the old record or the new one."""
-        replace(self.root / "FORMAT", json.dumps(info | {"tier": "cold"}, sort_keys=True).encode())
+        config.toml refuses it instead of making it a store of its own. Only that key is added (with the
+        checksum); an atomic replace, so a reader sees the old record or the new one."""
+        replace(self.root / "FORMAT", _format_bytes(info | {"tier": "cold"}))
 
     # objects -------------------------------------------------------------------
     def _obj(self, kind: str, oid: str, ext: str) -> Path:
@@ -171,9 +193,9 @@ class Tier:
         """Held (shared) by every save in flight, so fsck/gc never delete a half-written save's files."""
         return flocked(self.root / "locks" / "writers.lock", shared=True)
 
-    def exclusive(self) -> AbstractContextManager[None]:
-        """Held by fsck --repair and gc: waits for saves in flight, keeps new ones out."""
-        return flocked(self.root / "locks" / "writers.lock")
+    def exclusive(self, reading: bool = False) -> AbstractContextManager[None]:
+        """Held by fsck (`reading`: without repair) and gc: waits for saves in flight, keeps new ones out."""
+        return flocked(self.root / "locks" / "writers.lock", reading=reading)
 
     def sweep_lock(self) -> AbstractContextManager[None]:
         """The shared tier's lock between deleting and publishing: a cold-tier gc holds it while it

@@ -10,7 +10,7 @@ from pathlib import Path
 from ..base import config as tier_config
 from ..base.config import Flush, TierConfig
 from ..errors import InvalidArgumentError, NotFoundError, ReadOnlyStoreError, StoreFormatError
-from ..meta.catalog import Catalog
+from ..meta.catalog import Catalog, opened_read_only
 from ..objects.chunks import DEFAULT_CHUNK_SIZE
 from ..objects.object_store import ObjectStore
 from ..objects.tier import Tier
@@ -66,6 +66,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         saved = None  # cold unreachable: go on with what the caller gave
     hot_dir = hot if hot is not None else (saved.hot if saved else None)
     if hot_dir is None:
+        _not_open_read_only(root / "catalog", root, read_only)
         tier = Tier(root)
         info = tier.read_format()
         if info is None:
@@ -82,7 +83,8 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         check_chunk_size(size)
         had_catalog = (root / "catalog" / "data.mdb").exists()
         catalog = Catalog(root / "catalog", read_only=read_only, unwritable=_unwritable(root / "catalog", root))
-        repo = Repository(ObjectStore(tier, None, catalog, verify=verify), catalog, chunk_size=size)
+        repo = Repository(ObjectStore(tier, None, catalog, verify=verify, read_only=catalog.read_only), catalog,
+                          chunk_size=size)
         rebuild = not had_catalog and next(tier.iter_ids("versions", "json"), None) is not None
         return repo, rebuild, False
     if hot is not None:
@@ -95,6 +97,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
                      else (saved.hot_capacity if saved else None),
                      flush=flush or (saved.flush if saved else Flush()),
                      promote=promote if promote is not None else (saved.promote if saved else True))
+    _not_open_read_only(Path(cfg.hot or "") / "catalog", root, read_only)
     hot_tier = Tier(Path(cfg.hot or ""), "hot")
     cold_tier = Tier(root, "cold", shared=True)
     hot_info = hot_tier.read_format(beside_cold=True)
@@ -143,7 +146,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     had_catalog = (hot_tier.root / "catalog" / "data.mdb").exists()
     catalog = Catalog(hot_tier.root / "catalog", read_only=read_only, unwritable=unwritable)
     objects = ObjectStore(hot_tier, cold_tier, catalog, verify=verify, promote=cfg.promote and not read_only,
-                          hot_capacity=cfg.hot_capacity)
+                          hot_capacity=cfg.hot_capacity, read_only=read_only)
     repo = Repository(objects, catalog, chunk_size=size, tiering=cfg, root=root)
     rebuild = not had_catalog and any(next(t.iter_ids("versions", "json"), None) for t in repo.tiers)
     return repo, rebuild, cold_ok
@@ -154,6 +157,14 @@ def _unwritable(catalog: Path, root: Path) -> Path | None:
     opens read-only, as `git log` works in a repository one may only read. None when it may."""
     where = catalog if catalog.exists() else root
     return where if where.exists() and not os.access(where, os.W_OK) else None
+
+
+def _not_open_read_only(catalog: Path, root: Path, read_only: bool) -> None:
+    """ReadOnlyStoreError for a writable open of a store this process has open read-only, before anything is
+    written (LMDB allows one open of a file per process, and that one is read-only)."""
+    if not read_only and opened_read_only(catalog):
+        raise ReadOnlyStoreError(f"store {root} is open read-only in this process, and LMDB allows one open of a "
+                                 "file per process; close that Store before opening it for writing")
 
 
 def _creating(tier: Tier, settings: dict[str, object], what: str) -> None:
