@@ -324,7 +324,7 @@ def test_deleting_a_ref_says_what_it_named(made: tuple[Path, list[ds.Version]],
 @pytest.mark.parametrize("argv, words", [
     (["--step-from", "("], "is not a regex"),
     (["--step-from", "ck_(step)"], "found 'step'"),
-    (["--allow-pickle"], "is not a checkpoint torch.load can read"),
+    (["--allow-pickle"], "is not a torch.save file"),
 ])
 def test_import_of_a_bad_pattern_or_a_file_that_is_no_checkpoint_is_one_line(
         made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str], tmp_path: Path,
