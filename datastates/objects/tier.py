@@ -89,6 +89,10 @@ class Tier:
             fmt = int(info["format"])
         except (ValueError, KeyError, TypeError) as exc:
             raise StoreFormatError(f"{f} is damaged ({exc}); restore it from another tier or a backup") from exc
+        if fmt > FORMAT:
+            raise StoreFormatError(
+                f"store {self.root} has format {fmt}; this datastates reads up to format {FORMAT}: upgrade datastates"
+            )
         stored = info.pop(FORMAT_SUM, None)
         if stored is not None and stored != _format_sum(info):
             # A flipped digit of chunk_size parsed as another valid size: without the sum it went unnoticed.
@@ -96,10 +100,6 @@ class Tier:
                 f"{f} does not match its checksum (a byte of it changed): restore it from the other tier or a "
                 "backup, or write it again as docs/format.md section 2 shows, with the chunk_size this store was "
                 "made with (16777216 unless chosen)")
-        if fmt > FORMAT:
-            raise StoreFormatError(
-                f"store {self.root} has format {fmt}; this datastates reads up to format {FORMAT}: upgrade datastates"
-            )
         return dict(info)
 
     def create(self, settings: dict[str, object]) -> None:
