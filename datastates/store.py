@@ -36,6 +36,7 @@ from .errors import (
     DataStatesError,
     InvalidArgumentError,
     PrunedError,
+    ReadOnlyStoreError,
     SaveFailedError,
     StoreClosedError,
     check_keywords,
@@ -47,7 +48,7 @@ from .maintenance.fsck import fsck
 from .maintenance.gc import COLD_GRACE_S, gc
 from .maintenance.refresh import refresh
 from .maintenance.retention import prune
-from .meta.catalog import Catalog
+from .meta.catalog import Catalog, read_only_message
 from .meta.graph import CatalogGraph
 from .meta.refs import RefStore
 from .meta.versions import Version, decode_record
@@ -224,9 +225,9 @@ class Store(Queries):
             from .maintenance.fsck import rebuild_catalog
 
             rebuild_catalog(repo)
-        if cold_ok and not repo.read_only:
+        if cold_ok and not repo.catalog.read_only:
             try:
-                store.refresh()  # refs (and versions) other processes published to cold
+                refresh(repo)  # refs (and versions) other processes published to cold
             except OSError as exc:
                 log.warning("cold tier %s unreadable at open (%s); working from hot", repo.root, exc)
         if repo.cold is not None and not repo.read_only:
@@ -515,8 +516,11 @@ class Store(Queries):
     def refresh(self) -> dict[str, int]:
         """See what other hosts flushed to the shared cold tier: index their packs and versions and
         fast-forward local refs to cold's. Returns counts of what was added. Raises ReadOnlyStoreError on a store
-        opened read-only (it writes this node's catalog and refs)."""
-        self.repo.check_writable()
+        opened read-only (it writes this node's catalog and refs; another user's store read through a hot tier of
+        one's own refreshes, as that hot tier is this user's)."""
+        self._check_open()
+        if self.repo.catalog.read_only:
+            raise ReadOnlyStoreError(read_only_message(self.path, self.repo.catalog.unwritable))
         return refresh(self.repo)
 
     def tiers_status(self) -> list[dict[str, Any]]:

@@ -271,3 +271,64 @@ def test_a_store_this_user_may_not_write_opens_read_only(unwritable_store: Path)
     shown = _as_nobody([exe, "-m", "datastates", "--store", str(unwritable_store), "log"], {"PYTHONPATH": pythonpath})
     assert shown.returncode == 0 and shown.stdout.count("\n") == 2 and "tag: first" in shown.stdout
     assert snapshot(unwritable_store, with_catalog=True) == before
+
+
+_TWO_TIER_CHILD = r"""
+import json, sys, torch
+import datastates as ds
+cold, own_hot = sys.argv[1], sys.argv[2]
+out = {}
+try:
+    ds.Store.open(cold)
+except ds.ReadOnlyStoreError as exc:
+    out["no_hot"] = str(exc)
+with ds.Store.open(cold, hot=own_hot) as s:
+    out["read_only"] = s.read_only
+    out["w"] = s.load("first")["w"][:3].tolist()
+    out["log"] = [v.step for v in s.log("main")]
+    try:
+        s.save({"w": torch.zeros(2)})
+    except ds.ReadOnlyStoreError as exc:
+        out["save"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def test_another_users_two_tier_store_reads_through_a_hot_tier_of_ones_own() -> None:
+    """Another user's two-tier store: a plain open failed with a bare PermissionError (config.toml, or the other
+    user's hot tier), and read_only=True with a hot tier of one's own could not build its catalog (a review)."""
+    if os.geteuid() == 0 and shutil.which("setpriv") is None:
+        pytest.skip("running as root without setpriv: no user to whom the store is read-only")
+    exe = _child_python()
+    if exe is None:
+        pytest.skip("no interpreter of this version the unprivileged user may run")
+    top = Path(tempfile.mkdtemp(prefix="ds-ro2-", dir="/tmp"))
+    try:
+        cold, their_hot, own_hot = top / "cold", top / "their-hot", top / "own" / "hot"
+        with ds.Store.open(cold, hot=their_hot, flush=ds.Flush(every=1)) as s:
+            s.tag("first", s.save(_state(0), step=0))
+            s.save(_state(1), step=1)
+            assert s.flush(timeout=60)
+        for p in (top, *top.rglob("*")):
+            p.chmod(0o555 if p.is_dir() else 0o444)
+        their_hot.chmod(0o700)  # node-local, the other user's
+        (top / "own").mkdir(mode=0o777)
+        (top / "own").chmod(0o777)
+        before = snapshot(cold, with_catalog=True)
+        pythonpath = os.pathsep.join([str(REPO), *[p for p in sys.path if p and os.path.isdir(p)]])
+        done = _as_nobody([exe, "-c", _TWO_TIER_CHILD, str(cold), str(own_hot)], {"PYTHONPATH": pythonpath})
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout.strip().splitlines()[-1])
+        assert "read the store through a hot tier of your own" in out["no_hot"]
+        assert out["read_only"] is True and out["w"] == [0.0, 1.0, 2.0] and out["log"] == [1, 0]
+        assert "is read-only for this user" in out["save"] and str(cold) in out["save"]
+        cli = [exe, "-m", "datastates", "--store", str(cold), "--hot", str(own_hot)]
+        shown = _as_nobody([*cli, "log"], {"PYTHONPATH": pythonpath})
+        assert shown.returncode == 0 and "tag: first" in shown.stdout
+        refused = _as_nobody([*cli, "tag", "t2", "first"], {"PYTHONPATH": pythonpath})
+        assert refused.returncode == 1 and "ReadOnlyStoreError" in refused.stderr
+        assert snapshot(cold, with_catalog=True) == before
+    finally:
+        for p in (top, *top.rglob("*")):
+            p.chmod(0o755 if p.is_dir() else 0o644)
+        shutil.rmtree(top)

@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", default=os.environ.get("DATASTATES_STORE"),
                    help="store directory (default: $DATASTATES_STORE)")
     p.add_argument("--debug", action="store_true", help="show the full traceback of an error")
+    p.add_argument("--hot", default=None, help="a node-local hot tier of your own for a two-tier store (default: "
+                   "the one its config.toml names); for reading another user's store")
     sub = p.add_subparsers(dest="command", required=True)
     add = sub.add_parser
 
@@ -36,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
         s = add(name, **kw)
         if name not in ("bench", "demo"):  # their own directory is --dir, never a user's store
             s.add_argument("--store", default=argparse.SUPPRESS, help="store directory (default: $DATASTATES_STORE)")
+            s.add_argument("--hot", default=argparse.SUPPRESS, help="a node-local hot tier of your own for a "
+                           "two-tier store (default: the one its config.toml names)")
         s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the full traceback of an error")
         return s
@@ -78,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
     logger = logging.getLogger("datastates")
     logger.addHandler(warnings)
     try:
-        store = Store.open(args.store, create=getattr(args, "creates", False))
+        store = Store.open(args.store, create=getattr(args, "creates", False), hot=getattr(args, "hot", None))
         try:
             return int(args.handler(store, args))
         finally:

@@ -100,7 +100,13 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     _not_open_read_only(Path(cfg.hot or "") / "catalog", root, read_only)
     hot_tier = Tier(Path(cfg.hot or ""), "hot")
     cold_tier = Tier(root, "cold", shared=True)
-    hot_info = hot_tier.read_format(beside_cold=True)
+    try:
+        hot_info = hot_tier.read_format(beside_cold=True)
+    except PermissionError as exc:  # another user's node-local directory
+        raise ReadOnlyStoreError(
+            f"hot tier {cfg.hot} of store {root} is not readable by this user ({exc.strerror}): read the store "
+            f"through a hot tier of your own, Store.open({str(root)!r}, hot=DIR), or on the command line add "
+            "--hot DIR (a directory of your own) to the command") from None
     try:
         cold_info = cold_tier.read_format()
         cold_ok = True
@@ -120,6 +126,15 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
             f"Store.open(COLD, hot=NODE_LOCAL_DIR), the shared store directory first; nothing was written")
     if hot_info is None and cold_info is None and (not create or read_only):
         raise _no_store(root)
+    # Another user's store on the shared tier: this process may read it, not write it (no config.toml, no role
+    # mark, no flush, no save), through a hot tier of its own where its catalog is made.
+    shared_closed = root if cold_ok and cold_info is not None and not os.access(root, os.W_OK) else None
+    if shared_closed is not None and hot is None and hot_info is None:
+        raise ReadOnlyStoreError(
+            f"store {root} is read-only for this user, and the hot tier its config.toml names ({cfg.hot}) holds no "
+            "store here (another user's, or another node's): read it through a hot tier of your own, "
+            f"Store.open({str(root)!r}, hot=DIR), or on the command line add --hot DIR (a directory of your own) "
+            "to the command; its loads and queries work, saves are refused")
     unwritable = _unwritable(Path(cfg.hot or "") / "catalog", Path(cfg.hot or ""))
     read_only = read_only or unwritable is not None
     if read_only and hot_info is None:
@@ -128,7 +143,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
             "store once with write access, or open it read-only from the node whose hot tier that is")
     settings = {"chunk_size": chunk_size or int((cold_info or hot_info or {}).get(  # type: ignore[call-overload]
         "chunk_size", DEFAULT_CHUNK_SIZE))}
-    if read_only:
+    if read_only or shared_closed is not None:
         pass  # nothing is written: no role mark, no settings
     elif cold_ok and cold_info is None:
         _creating(cold_tier, settings | {"tier": "cold"}, "store")
@@ -139,7 +154,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
             log.warning("could not record the cold role in %s/FORMAT (%s)", root, exc)
     if hot_info is None:
         _creating(hot_tier, settings, "hot tier")
-    if cold_ok and not read_only and (saved is None or saved != cfg):
+    if cold_ok and not read_only and shared_closed is None and (saved is None or saved != cfg):
         tier_config.save(root, cfg)
     size = int(settings["chunk_size"])
     check_chunk_size(size)
@@ -148,6 +163,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     objects = ObjectStore(hot_tier, cold_tier, catalog, verify=verify, promote=cfg.promote and not read_only,
                           hot_capacity=cfg.hot_capacity, read_only=read_only)
     repo = Repository(objects, catalog, chunk_size=size, tiering=cfg, root=root)
+    repo.shared_closed = shared_closed
     rebuild = not had_catalog and any(next(t.iter_ids("versions", "json"), None) for t in repo.tiers)
     return repo, rebuild, cold_ok
 

@@ -79,6 +79,9 @@ class Repository:
         self.owner: Any = None
         """The object users hold for this repository (the Store), handed to retention protectors."""
         self._manifests: dict[str, Manifest] = {}
+        self.shared_closed: Path | None = None
+        """The cold tier, when this process may not write it (another user's store, read through a hot tier of
+        this user's own): saves and ref changes are refused, the hot tier's catalog and cache are written."""
 
     # the parts, by the names maintenance code uses -------------------------------------
     @property
@@ -124,8 +127,9 @@ class Repository:
 
     @property
     def read_only(self) -> bool:
-        """Opened read-only (`Store.open(..., read_only=True)`, or a store this process may not write)."""
-        return self.catalog.read_only
+        """Opened read-only (`Store.open(..., read_only=True)`, or a store this process may not write: its catalog,
+        or its shared cold tier, read through a hot tier of this user's own)."""
+        return self.catalog.read_only or self.shared_closed is not None
 
     def check_writable(self) -> None:
         """check_open, then ReadOnlyStoreError on a store opened read-only (for the calls that write), and
@@ -133,6 +137,8 @@ class Repository:
         self.check_open()
         if self.catalog.read_only:
             raise ReadOnlyStoreError(read_only_message(self.path, self.catalog.unwritable))
+        if self.shared_closed is not None:
+            raise ReadOnlyStoreError(read_only_message(self.path, self.shared_closed))
         if not (self.tier.root / "FORMAT").exists():
             # Its refs gone, a save would have started a new line with no parent, and its files a directory
             # without FORMAT that no later open accepts (a review).
