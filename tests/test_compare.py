@@ -100,6 +100,33 @@ def test_history_values_yields_each_version(store: ds.Store) -> None:
     assert got == [(0, [0.0] * 4), (1, [1.0] * 4), (2, [2.0] * 4)]
 
 
+def test_history_values_of_a_mistyped_key_raises_at_the_call(store: ds.Store) -> None:
+    """history(key) refused a typo, history(key, values=True) iterated it as nothing (a review)."""
+    store.save({"model": {"fc": {"weight": torch.ones(2)}}}, step=0)
+    for values in (False, True):
+        with pytest.raises(ds.NotFoundError, match="did you mean 'model.fc.weight'"):
+            store.history("model.fc.wieght", values=values)
+
+
+def test_a_change_to_or_from_nan_or_inf_is_unbounded_not_none(store: ds.Store) -> None:
+    """diff counted every element that went to or from NaN or inf as unchanged: a diverged run read as identical
+    (l2_change 0, cosine 1; a review). NaN staying NaN, and inf staying the same inf, are no change."""
+    nan, inf = float("nan"), float("inf")
+    store.save({"to_nan": torch.tensor([1.0, 2.0, 3.0]), "from_inf": torch.tensor([1.0, inf]),
+                "stays": torch.tensor([nan, inf, 1.0]), "big": torch.zeros(40_000)}, step=1)
+    big = torch.zeros(40_000)
+    big[30_000] = nan  # in one of several chunks
+    store.save({"to_nan": torch.tensor([1.0, nan, 3.0]), "from_inf": torch.tensor([1.0, 5.0]),
+                "stays": torch.tensor([nan, inf, 4.0]), "big": big}, step=2)
+    rows = {r["key"]: r for r in store.diff("main~1", "main").to_pylist()}
+    for key in ("to_nan", "from_inf", "big"):
+        r = rows[key]
+        assert r["status"] == "changed", key
+        assert (r["l2_change"], r["rel_change"], r["max_abs_diff"], r["cosine"]) == (math.inf, math.inf, math.inf,
+                                                                                     None), key
+    assert rows["stays"]["l2_change"] == 3.0 and rows["stays"]["max_abs_diff"] == 3.0
+
+
 def test_diff_memory_stays_bounded(tmp_path: Path) -> None:
     """Diff two 256 MiB versions in a fresh process; its peak RSS grows far less than one version."""
     script = textwrap.dedent(f"""

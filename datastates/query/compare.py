@@ -68,7 +68,9 @@ def _tensor_row(m: Manifest, r: dict[str, Any]) -> dict[str, Any] | None:
 
 def diff(store: Repository, a: Any, b: Any, keys: list[str] | None = None) -> pa.Table:
     """One row per key of either version: status, L2 of the change, relative change, cosine,
-    max abs difference, chunks and bytes shared. Raises NotFoundError (a ref, or a key pattern that
+    max abs difference, chunks and bytes shared. An element that went to or from NaN or an infinity makes
+    the L2 of the change, the relative change and the max abs difference infinite and the cosine null (the
+    change is unbounded; NaN staying NaN is no change). Raises NotFoundError (a ref, or a key pattern that
     matches no key of either version, with close matches), PrunedError."""
     store = as_repository(store)
     va, vb = store.version(a), store.version(b)
@@ -121,13 +123,13 @@ def _compare(store: Repository, ma: Manifest, x: dict[str, Any], mb: Manifest, y
                 shared += 1
                 shared_bytes += e - s
                 continue
-            d = _as_float(store.read_chunk(cb, x["key"]), dtype) - _as_float(store.read_chunk(ca, x["key"]), dtype)
-            sq, max_abs = _accumulate(d, sq, max_abs)
+            sq, max_abs = _accumulate(_as_float(store.read_chunk(ca, x["key"]), dtype),
+                                      _as_float(store.read_chunk(cb, x["key"]), dtype), sq, max_abs)
     else:
         # Different chunk sizes: compare byte ranges, reading both sides chunk by chunk.
         for s, e in spans(x["nbytes"], min(ma.chunk_size, mb.chunk_size)):
-            d = _as_float(_range(store, mb, y, s, e), dtype) - _as_float(_range(store, ma, x, s, e), dtype)
-            sq, max_abs = _accumulate(d, sq, max_abs)
+            sq, max_abs = _accumulate(_as_float(_range(store, ma, x, s, e), dtype),
+                                      _as_float(_range(store, mb, y, s, e), dtype), sq, max_abs)
     na, nb = x.get("l2"), y.get("l2")
     l2 = math.sqrt(sq)
     total = len(x["chunks"])
@@ -135,7 +137,7 @@ def _compare(store: Repository, ma: Manifest, x: dict[str, Any], mb: Manifest, y
     cosine = rel = None
     if na is not None and nb is not None:
         rel = l2 / na if na > 0 else (0.0 if l2 == 0 else math.inf)
-        if na > 0 and nb > 0:
+        if na > 0 and nb > 0 and math.isfinite(sq):
             cosine = max(-1.0, min(1.0, (na * na + nb * nb - sq) / (2 * na * nb)))
     return {"status": status, "l2_change": l2, "rel_change": rel, "cosine": cosine, "max_abs_diff": max_abs,
             "chunks_shared": shared, "chunks_total": total, "bytes_shared": shared_bytes}
@@ -178,21 +180,32 @@ def _key_bytes(store: Repository, m: Manifest, r: dict[str, Any]) -> bytes:
 def _compare_values(a: bytes, b: bytes, dtype: torch.dtype) -> dict[str, Any]:
     """diff's columns for two byte strings of one dtype and shape, read whole (views are small parts)."""
     fa, fb = _as_float(a, dtype), _as_float(b, dtype)
-    sq, max_abs = _accumulate(fb - fa, 0.0, 0.0)
+    sq, max_abs = _accumulate(fa, fb, 0.0, 0.0)
     l2 = math.sqrt(sq)
     na = float(torch.linalg.vector_norm(torch.nan_to_num(fa))) if fa.numel() else 0.0
     nb = float(torch.linalg.vector_norm(torch.nan_to_num(fb))) if fb.numel() else 0.0
     rel = l2 / na if na > 0 else (0.0 if l2 == 0 else math.inf)
-    cosine = max(-1.0, min(1.0, (na * na + nb * nb - sq) / (2 * na * nb))) if na > 0 and nb > 0 else None
+    cosine = (max(-1.0, min(1.0, (na * na + nb * nb - sq) / (2 * na * nb)))
+              if na > 0 and nb > 0 and math.isfinite(sq) else None)
     return {"status": "same" if a == b else "changed", "l2_change": l2, "rel_change": rel, "cosine": cosine,
             "max_abs_diff": max_abs}
 
 
-def _accumulate(d: torch.Tensor, sq: float, max_abs: float) -> tuple[float, float]:
-    if d.numel():
-        d = torch.nan_to_num(d, nan=0.0, posinf=0.0, neginf=0.0)
-        sq += float(torch.dot(d, d))
-        max_abs = max(max_abs, float(d.abs().max()))
+def _accumulate(fa: torch.Tensor, fb: torch.Tensor, sq: float, max_abs: float) -> tuple[float, float]:
+    """The sum of squared changes and the largest absolute change, going on from `sq`, `max_abs` over the elements
+    of `fa` -> `fb`. An element that went to or from NaN or an infinity (other than staying the same one) makes both
+    infinite: its change is unbounded, never 0 (a review: a run that diverged read as unchanged)."""
+    if not fa.numel():
+        return sq, max_abs
+    d = fb - fa
+    finite = torch.isfinite(d)
+    if not bool(finite.all()):
+        kept = (fa == fb) | (torch.isnan(fa) & torch.isnan(fb))  # NaN -> NaN, inf -> the same inf: no change
+        if bool((~finite & ~kept).any()):
+            return math.inf, math.inf
+        d = torch.where(finite, d, torch.zeros((), dtype=d.dtype))
+    sq += float(torch.dot(d, d))
+    max_abs = max(max_abs, float(d.abs().max()))
     return sq, max_abs
 
 
@@ -254,24 +267,39 @@ def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
                      "chunks_changed": changed, "l2_delta": l2_delta})
         prev, prev_chunks = tr, chunks
     if not rows and chain:
-        keys = list(store.manifest_of(chain[-1]).index)
-        close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
-        hint = f"did you mean {', '.join(repr(k) for k in close)}? " if close else ""
-        raise NotFoundError(f"no version in the first-parent chain of {ref!r} has a tensor {key!r}; {hint}"
-                            f"`datastates ls {ref}` lists its keys")
+        raise _no_such_key(store, chain, key, ref)
     return pa.Table.from_pylist(rows, schema=HISTORY_SCHEMA)
 
 
+def _no_such_key(store: Repository, chain: list[Version], key: str, ref: Any) -> NotFoundError:
+    keys = list(store.manifest_of(chain[-1]).index)
+    close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+    hint = f"did you mean {', '.join(repr(k) for k in close)}? " if close else ""
+    return NotFoundError(f"no version in the first-parent chain of {ref!r} has a tensor {key!r}; {hint}"
+                         f"`datastates ls {ref}` lists its keys")
+
+
 def history_values(store: Repository, key: str, ref: Any = "main") -> Iterator[tuple[Version, torch.Tensor]]:
-    """Yield (version, tensor) along the first-parent chain, loading one tensor at a time."""
+    """(version, tensor) along the first-parent chain, loading one tensor at a time as it is iterated. Raises
+    NotFoundError at the call, as `history` does, when no version of the chain has `key` (a typo iterated as
+    nothing)."""
     store = as_repository(store)
-    for v in history_versions(store, ref):
-        if key in store.manifest_of(v).index:
-            state = load(store, v, keys=[key])
-            node: Any = state
-            for part in _path_in(state, key):
-                node = node[part]
-            yield v, node
+    if not isinstance(key, str) or not key:
+        raise InvalidArgumentError(f"key={key!r} is not a key path; give one such as 'model.fc.weight'")
+    chain = history_versions(store, ref)
+    having = [v for v in chain if key in store.manifest_of(v).index]
+    if not having and chain:
+        raise _no_such_key(store, chain, key, ref)
+    return _loading(store, having, key)
+
+
+def _loading(store: Repository, versions: list[Version], key: str) -> Iterator[tuple[Version, torch.Tensor]]:
+    for v in versions:
+        state = load(store, v, keys=[key])
+        node: Any = state
+        for part in _path_in(state, key):
+            node = node[part]
+        yield v, node
 
 
 def _path_in(state: Any, key: str) -> list[Any]:
