@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import datastates as ds
+from datastates.base.files import json_finite
 
-
-def finite(x: Any) -> Any:
-    """JSON has no NaN/Infinity: non-finite floats become the strings "NaN", "Infinity", "-Infinity"."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
-    if isinstance(x, dict):
-        return {k: finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [finite(v) for v in x]
-    return x
+finite = json_finite
+"""JSON has no NaN/Infinity: non-finite floats become the strings "NaN", "Infinity", "-Infinity"."""
 
 
 def version_dict(v: ds.Version) -> dict[str, Any]:

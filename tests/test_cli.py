@@ -404,3 +404,16 @@ def test_a_hint_in_an_error_runs_as_given_with_the_same_store(
         assert run(capsys, *shlex.split(hint)[1:])[0] == 0, hint
     monkeypatch.setenv("DATASTATES_STORE", str(path))  # the store the environment names: hints stay short
     assert "`datastates log`" in run(capsys, "show", "nope")[2]
+
+
+def test_json_output_is_strict_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """diff --json printed the bare token Infinity for a change from an all-zero tensor (a zero-init bias), which
+    JavaScript's, Go's and serde's parsers refuse (a review); the REST server writes the string "Infinity"."""
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"bias": torch.zeros(4), "w": torch.ones(2)}, step=1)
+        s.save({"bias": torch.ones(4), "w": torch.tensor([1.0, float("nan")])}, step=2)
+    rc, out, _ = run(capsys, "--store", str(tmp_path / "s"), "diff", "main~1", "main", "--json")
+    assert rc == 0
+    parsed = json.loads(out, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
+    assert {r["key"]: (r["rel_change"], r["cosine"]) for r in parsed} == {"bias": ("Infinity", None),
+                                                                          "w": ("Infinity", None)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import secrets
 import socket
@@ -26,6 +27,19 @@ from ..errors import StorageFullError
 def canonical_json(obj: Any) -> bytes:
     """Serialize `obj` to the one byte string used for hashing (sorted keys, no spaces)."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def json_finite(x: Any) -> Any:
+    """`x` with every non-finite float (nested in dicts, lists, tuples) as the string "NaN", "Infinity" or
+    "-Infinity": JSON has no such numbers, and Python's json writes bare tokens other parsers refuse. The REST
+    server's encoding, and the CLI's --json."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+    if isinstance(x, dict):
+        return {k: json_finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [json_finite(v) for v in x]
+    return x
 
 
 def fsync_dir(path: Path) -> None:

@@ -6,6 +6,7 @@ import datetime
 import json
 from typing import Any
 
+from ..base.files import json_finite
 from ..errors import with_store
 
 __all__ = ["fmt", "print_json", "when", "with_store"]
@@ -18,7 +19,9 @@ def when(t: float) -> str:
 
 
 def print_json(obj: Any) -> None:
-    print(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    """Strict JSON: non-finite floats as the strings "NaN", "Infinity", "-Infinity", as the REST server writes
+    them (a bare Infinity, which Python writes, is refused by JavaScript's, Go's and serde's parsers)."""
+    print(json.dumps(json_finite(obj), indent=2, sort_keys=True, default=str, allow_nan=False))
 
 
 def fmt(x: Any, width: int = 10) -> str:
