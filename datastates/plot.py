@@ -305,14 +305,20 @@ class HistogramData:
     has_steps: bool = True
 
 
+MAX_BINS = 10_000
+"""The most bins `histograms` takes (a row of counts per version, each as wide)."""
+
+
 def histograms_data(store: Store, ref: Any = "main", key: str = "", *, bins: int = 64,
                     max_versions: int | None = 200) -> HistogramData:
     """Histograms of tensor `key` along `ref`'s first-parent chain, reading only that tensor, one
     version at a time. Bin edges come from the stored min/max (no pass over the bytes to find them).
-    Raises NotFoundError (ref, or no version has `key`), InvalidArgumentError (bins < 1, max_versions < 2)."""
+    Raises NotFoundError (ref, or no version has `key`), InvalidArgumentError (bins not in 1..MAX_BINS,
+    max_versions < 2)."""
     store = _as_store(store)
-    if bins < 1:
-        raise InvalidArgumentError(f"bins must be at least 1, not {bins}")
+    if bins < 1 or bins > MAX_BINS:
+        raise InvalidArgumentError(f"bins must be 1 to {MAX_BINS}, not {bins} (a figure shows a few hundred at most; "
+                                   f"{bins} took minutes and memory before drawing anything)")
     if max_versions is not None and max_versions < 2:
         raise InvalidArgumentError(f"max_versions must be at least 2 (or None for all), not {max_versions}")
     stats = store.history(key, ref)  # raises NotFoundError with close key names on a typo

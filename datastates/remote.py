@@ -65,6 +65,9 @@ class RemoteStore:
     def __init__(self, url: str, token: str | None = None, *, timeout: float = 60.0, page_size: int = 1000) -> None:
         import httpx
 
+        # Stripped as the server strips its token file: a token read from a file ends with a newline, which an HTTP
+        # header may not hold (the request then failed as 'no answer from the server').
+        token = token.strip() if isinstance(token, str) else token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.url = url.rstrip("/")
         self.page_size = page_size

@@ -176,3 +176,13 @@ def test_a_write_first_does_not_change_what_the_reads_of_its_path_take(store_pat
         assert c.post("/branches", params={"limit": 1}, json={"name": "x", "at": "main"}).status_code == 400
         page = c.get("/branches", params={"limit": 1})
         assert page.status_code == 200 and len(page.json()["items"]) == 1
+
+
+def test_a_client_token_read_from_a_file_with_its_newline_works(srv: ServerProc, store: ds.Store) -> None:
+    """RemoteStore(url, token=open(file).read()) failed as 'no answer from the server': the newline is not allowed
+    in an HTTP header (a review). Stripped, as the server strips its token file."""
+    client = ds.RemoteStore(srv.url, token=TOKEN + "\n")
+    try:
+        assert client.tags() == store.tags()
+    finally:
+        client.close()
