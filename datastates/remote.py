@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from . import errors as E
 from .meta.versions import Version
+from .query.language import parse as parse_query
 from .save.manifest import TensorInfo
 
 _ERRORS: dict[str, type[E.DataStatesError]] = {
@@ -149,9 +150,11 @@ class RemoteStore:
     def merge_base(self, a: Any, b: Any) -> str | None:
         return self._get(f"/versions/{_seg(a)}/merge-base/{_seg(b)}")["merge_base"]  # type: ignore[no-any-return]
 
-    def find(self, query: str = "", *, order_by: str = "created", branch: str | None = None) -> list[Version]:
-        """Versions matching `query`. Ordered by `order_by` (default creation time, oldest first: `Store.find`'s
-        order for a query without `order by`): give sort keys here rather than in the query."""
+    def find(self, query: str = "", *, order_by: str | None = None, branch: str | None = None) -> list[Version]:
+        """Versions matching `query`, in `Store.find`'s order: the query's own `order by` (one field), else
+        `order_by` (FIELD, -FIELD or 'FIELD desc'), else creation time, oldest first."""
+        if order_by is None and not (query.strip() and parse_query(query).order_by):
+            order_by = "created"
         return [_version(d) for d in self._walk("/versions", filter=query, order_by=order_by, branch=branch)]
 
     def branches(self) -> dict[str, str]:

@@ -9,6 +9,7 @@ import pyarrow.compute as pc
 from fastapi import APIRouter, Body, Depends, Query
 
 import datastates as ds
+from datastates.query.language import parse as parse_query
 
 from .. import paging
 from ..convert import table_rows, version_dict
@@ -29,13 +30,24 @@ def list_versions(filter: str = Query("", max_length=8192, description="query, e
                                                description="FIELD, -FIELD or 'FIELD desc'; default -created"),
                   limit: int = Limit, page_token: str | None = Token,
                   store: ds.Store = Depends(get_store)) -> dict[str, Any]:
-    """Versions matching `filter` (the query language of `store.find`), sorted by `order_by` then id,
-    one page at a time. Tokens stay valid while versions are added: no row is repeated or skipped."""
+    """Versions matching `filter` (the query language of `store.find`), sorted by the filter's own `order by` (one
+    field) or else `order_by`, then id, one page at a time. Tokens stay valid while versions are added: no row is
+    repeated or skipped."""
     table = store.find(filter, as_table=True)
     if branch is not None:
         head = store.resolve(ref_param(branch, "branch"))
         ids = pa.array([head, *store.ancestors(head)], pa.string())
         table = table.filter(pc.is_in(table.column("id"), value_set=ids))
+    own = parse_query(filter).order_by  # (parsed by find above: no error here)
+    if own:
+        # The filter's own 'order by' is the order asked for: re-sorted by the default, `order by step desc limit 3`
+        # came back oldest first (a review).
+        if order_by:
+            raise ds.InvalidArgumentError("the filter has its own 'order by' and order_by= is given too; give one")
+        if len(own) > 1:
+            raise ds.InvalidArgumentError("the filter's 'order by' names several fields and pages are sorted by one; "
+                                          "keep one field (then ties go by id)")
+        order_by = ("-" if own[0][1] else "") + own[0][0]
     column, desc = paging.parse_order(order_by, table)
     q = paging.digest(filter, branch, column, desc)
     after = None
