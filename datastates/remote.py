@@ -150,12 +150,16 @@ class RemoteStore:
     def merge_base(self, a: Any, b: Any) -> str | None:
         return self._get(f"/versions/{_seg(a)}/merge-base/{_seg(b)}")["merge_base"]  # type: ignore[no-any-return]
 
-    def find(self, query: str = "", *, order_by: str | None = None, branch: str | None = None) -> list[Version]:
+    def find(self, query: str = "", *, order_by: str | None = None, branch: str | None = None,
+             allow_missing: bool = False) -> list[Version]:
         """Versions matching `query`, in `Store.find`'s order: the query's own `order by` (one field), else
-        `order_by` (FIELD, -FIELD or 'FIELD desc'), else creation time, oldest first."""
+        `order_by` (FIELD, -FIELD or 'FIELD desc'), else creation time, oldest first. `allow_missing` as
+        `Store.find`'s: a field no version has reads as null instead of being refused as a typo."""
         if order_by is None and not (query.strip() and parse_query(query).order_by):
             order_by = "created"
-        return [_version(d) for d in self._walk("/versions", filter=query, order_by=order_by, branch=branch)]
+        rows = self._walk("/versions", filter=query, order_by=order_by, branch=branch,
+                          allow_missing=allow_missing or None)
+        return [_version(d) for d in rows]
 
     def branches(self) -> dict[str, str]:
         return {r["name"]: r["id"] for r in self._walk("/branches")}

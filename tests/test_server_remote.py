@@ -58,6 +58,11 @@ def test_find_equals_the_store(remote: ds.RemoteStore, store: ds.Store) -> None:
         remote.find("order by step", order_by="-created")
     with pytest.raises(ds.InvalidArgumentError, match="names several fields"):
         remote.find("order by step, metrics.loss")
+    # the typo refusal's hint (allow_missing=True) works through the client and the route too (a review)
+    with pytest.raises(ds.QueryError, match="allow_missing=True"):
+        remote.find("metrics.f1 > 0.5")
+    assert remote.find("metrics.f1 > 0.5", allow_missing=True) == store.find("metrics.f1 > 0.5", allow_missing=True)
+    assert remote.find("metrics.f1 is null", allow_missing=True) != []
 
 
 def test_lineage_equals_the_store(remote: ds.RemoteStore, store: ds.Store) -> None:

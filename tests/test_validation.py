@@ -468,3 +468,13 @@ def test_a_pickled_value_whose_class_is_gone_is_named(tmp_path: Path, monkeypatc
                                                            r"\(ModuleNotFoundError"):
             store.load(v, allow_pickle=True)
         assert store.load(v, keys=["w"])["w"].tolist() == [1.0, 1.0]
+
+
+def test_log_limit_must_be_a_count(store: ds.Store) -> None:
+    """log(limit=-1) sliced silently: every version but the root (a review)."""
+    for i in range(3):
+        store.save({"w": torch.full((2,), float(i))}, step=i)
+    assert [v.step for v in store.log(limit=2)] == [2, 1] and store.log(limit=0) == []
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(InvalidArgumentError, match="must be a number of versions"):
+            store.log(limit=bad)  # type: ignore[arg-type]

@@ -26,7 +26,11 @@ class Queries:
     def log(self, ref: Any = "main", *, first_parent: bool = False, limit: int | None = None) -> list[Version]:
         """`ref` and its ancestors, newest first (like `git log`). The walk ends at a parent this node's catalog
         lacks, as `git log` ends at a shallow clone's boundary: one the flush policy kept off the cold tier, or a
-        record lost (`fsck` says which); `graph.absent_parents(id)` names them. Raises NotFoundError for `ref`."""
+        record lost (`fsck` says which); `graph.absent_parents(id)` names them. `limit`: at most that many (0 or
+        more). Raises NotFoundError for `ref`, InvalidArgumentError for a limit that is not one."""
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            # A negative one sliced silently: limit=-1 gave every version but the root (a review).
+            raise InvalidArgumentError(f"limit={limit!r} must be a number of versions, 0 or more (None: all)")
         start = self.repo.resolve(ref)
         ids = [start] + ancestors(self.repo.graph, start, first_parent=first_parent)
         if limit is not None:

@@ -29,11 +29,13 @@ def list_versions(filter: str = Query("", max_length=8192, description="query, e
                   order_by: str | None = Query(None, max_length=256,
                                                description="FIELD, -FIELD or 'FIELD desc'; default -created"),
                   limit: int = Limit, page_token: str | None = Token,
+                  allow_missing: bool = Query(False, description="read a field no version has as null instead "
+                                              "of refusing it as a typo (as store.find's allow_missing)"),
                   store: ds.Store = Depends(get_store)) -> dict[str, Any]:
     """Versions matching `filter` (the query language of `store.find`), sorted by the filter's own `order by` (one
     field) or else `order_by`, then id, one page at a time. Tokens stay valid while versions are added: no row is
     repeated or skipped."""
-    table = store.find(filter, as_table=True)
+    table = store.find(filter, as_table=True, allow_missing=allow_missing)
     if branch is not None:
         head = store.resolve(ref_param(branch, "branch"))
         ids = pa.array([head, *store.ancestors(head)], pa.string())
