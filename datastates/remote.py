@@ -195,6 +195,7 @@ class RemoteStore:
     def load(self, ref: Any = "main", *, keys: Iterable[str] | None = None) -> Any:
         """The tensors of `ref` (those `keys` select), nested as `Store.load` nests them. Plain
         (non-tensor) values are not sent over REST and are absent. Bit-exact."""
+        import torch
         from safetensors.torch import load as st_load
 
         params: dict[str, Any] = {}
@@ -206,6 +207,8 @@ class RemoteStore:
         meta = json.loads(data[8:8 + n]).get("__metadata__", {})
         paths: dict[str, list[Any]] = json.loads(meta.get("datastates.paths", "{}"))
         tensors = st_load(data)
+        for key in json.loads(meta.get("datastates.complex", "[]")):  # sent as their real views
+            tensors[key] = torch.view_as_complex(tensors[key])
         out: dict[Any, Any] = {}
         for key, t in tensors.items():
             path = paths.get(key) or key.split(".")

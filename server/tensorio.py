@@ -38,16 +38,27 @@ def npy_header(t: TensorBytes) -> bytes:
     return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(body)) + body
 
 
+_COMPLEX = {"complex64": "F32", "complex128": "F64", "complex32": "F16"}
+"""safetensors has no complex dtype: a complex tensor goes as its real view (`torch.view_as_real`: the same bytes,
+a last dimension of 2 more), its key listed in the metadata's `datastates.complex` for the way back."""
+COMPLEX_KEYS = "datastates.complex"
+
+
 def safetensors_header(tensors: list[TensorBytes], metadata: dict[str, str]) -> bytes:
-    """A safetensors header placing the tensors back to back in the given order."""
+    """A safetensors header placing the tensors back to back in the given order (complex ones as their real view,
+    see `_COMPLEX`)."""
     head: dict[str, object] = {"__metadata__": metadata}
     pos = 0
+    as_real = [t.key for t in tensors if t.dtype in _COMPLEX]
+    if as_real:
+        metadata = head["__metadata__"] = metadata | {COMPLEX_KEYS: json.dumps(as_real, separators=(",", ":"))}
     for t in tensors:
-        dt = _SAFETENSORS.get(t.dtype)
+        dt = _SAFETENSORS.get(t.dtype) or _COMPLEX.get(t.dtype)
         if dt is None:
             raise ds.InvalidArgumentError(
                 f"tensor {t.key!r} has dtype {t.dtype}, which safetensors cannot hold; ask for format=npy")
-        head[t.key] = {"dtype": dt, "shape": list(t.shape), "data_offsets": [pos, pos + t.nbytes]}
+        shape = [*t.shape, 2] if t.dtype in _COMPLEX else list(t.shape)
+        head[t.key] = {"dtype": dt, "shape": shape, "data_offsets": [pos, pos + t.nbytes]}
         pos += t.nbytes
     raw = json.dumps(head, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned
