@@ -150,3 +150,14 @@ def test_diff_memory_stays_bounded(tmp_path: Path) -> None:
     assert float(out[1]) == pytest.approx(1.0, abs=1e-3)
     # ru_maxrss is in KiB: the diff may not raise the peak by more than 64 MiB (a version is 256 MiB).
     assert int(out[2]) < 64 * 1024
+
+
+def test_diff_of_a_plain_value_key_says_it_holds_no_tensor(store: ds.Store) -> None:
+    """diff(keys=['lr']) said 'lr' is in neither version, though both hold it (a plain value; a review)."""
+    a = store.save({"w": torch.ones(2), "lr": 0.1}, step=0)
+    b = store.save({"w": torch.zeros(2), "lr": 0.2}, step=1)
+    with pytest.raises(ds.NotFoundError, match=rf"key 'lr' of {a.short} holds no tensor .*keys=\['lr'\]"):
+        store.diff(a, b, keys=["lr"])
+    assert store.load(a, keys=["lr"]) == {"lr": 0.1}  # what the message says to do
+    with pytest.raises(ds.NotFoundError, match="is in neither"):
+        store.diff(a, b, keys=["nope"])

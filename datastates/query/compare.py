@@ -22,7 +22,7 @@ from ..objects.chunks import spans
 from ..repo.reader import load
 from ..repo.repository import Repository, as_repository
 from ..save.manifest import Manifest
-from ..save.tree import dtype_from_name, key_patterns
+from ..save.tree import PathIndex, dtype_from_name, key_patterns
 from .lineage import ancestors
 
 if TYPE_CHECKING:
@@ -79,6 +79,11 @@ def diff(store: Repository, a: Any, b: Any, keys: list[str] | None = None) -> pa
     ra, rb = _rows(ma, keys), _rows(mb, keys)
     for k in keys or []:  # a key that selects nothing in either version is a typo, not "no change"
         if not _rows(ma, [k]) and not _rows(mb, [k]):
+            holder = next((v for v, m in ((va, ma), (vb, mb)) if k in PathIndex(m.tree).route([k])[1]), None)
+            if holder is not None:  # (said 'in neither', and `ls` lists tensors only: a review)
+                raise NotFoundError(f"key {k!r} of {holder.short} holds no tensor (a plain value, or containers of "
+                                    f"them); diff compares tensors: load it to see it, store.load({holder.short!r}, "
+                                    f"keys=[{k!r}])")
             names = sorted({r["key"] for r in ma.rows if r["kind"] != "storage"}
                            | {r["key"] for r in mb.rows if r["kind"] != "storage"})
             close = difflib.get_close_matches(k, names, n=3, cutoff=0.5)
