@@ -371,7 +371,9 @@ class Store(Queries):
         Writes that bypass the version counter (through `.data`, numpy views
         or ctypes) are not seen, hence opt-in. Fused optimizer steps
         (`fused=True`), whose kernels bump no counter, are seen: a step hook
-        bumps the counters of what they wrote (`save.counters`).
+        bumps the counters of what they wrote (`save.counters`); optimizers
+        whose own kernels write in place without saying `fused` in their
+        param groups (bitsandbytes' 8-bit ones) are not.
         On a store opened with a communicator of several ranks the save is collective: each rank's
         entries go into its own manifest, and entries under `replicated` (key prefixes or globs,
         identical on every rank) are written once in total, spread over the ranks by bytes.
