@@ -396,7 +396,8 @@ class DiffData:
     b: str
     keys: list[str]
     rel_change: np.ndarray
-    """||b - a|| / ||a|| per key (NaN when ||a|| is 0)."""
+    """||b - a|| / ||a|| per key (inf for a change from all zeros, or to or from NaN or an infinity; NaN when
+    unknown)."""
     cosine: np.ndarray
     """cos(a, b) per key (NaN when either is all zeros)."""
     other: dict[str, str]
@@ -417,7 +418,7 @@ def diff_data(store: Store, a: Any, b: Any, keys: str | Iterable[str] | None = N
             other[row["key"]] = row["status"]
         elif row["chunks_total"] is not None:
             names.append(row["key"])
-            rel.append(math.nan if row["rel_change"] is None or math.isinf(row["rel_change"]) else row["rel_change"])
+            rel.append(math.nan if row["rel_change"] is None else row["rel_change"])
             cos.append(math.nan if row["cosine"] is None else row["cosine"])
     return DiffData(store.resolve(a), store.resolve(b), names, np.array(rel, dtype=np.float64),
                     np.array(cos, dtype=np.float64), other)
@@ -430,7 +431,16 @@ def diff(store: Store, a: Any, b: Any, keys: str | Iterable[str] | None = None) 
     fig = _figure(10.0, max(3.0, 1.2 + 0.3 * len(data.keys)))
     left, right = fig.subplots(1, 2, sharey=True)
     y = np.arange(len(data.keys))
-    left.barh(y, np.nan_to_num(data.rel_change), color="tab:blue")
+    # An unbounded change (from all zeros, or to or from NaN or an infinity) was drawn as no bar, as no change (a
+    # review): it is a red bar past the longest finite one, labelled inf.
+    rel = data.rel_change
+    finite = rel[np.isfinite(rel)]
+    cap = float(finite.max()) * 1.2 if finite.size and finite.max() > 0 else 1.0
+    unbounded = np.isinf(rel)
+    left.barh(y, np.where(unbounded, cap, np.nan_to_num(rel)),
+              color=["tab:red" if u else "tab:blue" for u in unbounded])
+    for yi in y[unbounded]:
+        left.text(cap, yi, " inf", va="center", fontsize="x-small", color="tab:red")
     left.set_yticks(y, [_short(k) for k in data.keys], fontsize="x-small")
     left.invert_yaxis()
     left.set_xlabel("||b - a|| / ||a||")

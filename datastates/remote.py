@@ -19,6 +19,7 @@ from urllib.parse import quote
 
 from . import errors as E
 from .meta.versions import Version
+from .query.facade import check_limit
 from .query.language import parse as parse_query
 from .save.manifest import TensorInfo
 
@@ -131,8 +132,12 @@ class RemoteStore:
         return self.version(ref).id
 
     def log(self, ref: Any = "main", *, first_parent: bool = False, limit: int | None = None) -> list[Version]:
-        """`ref` and its ancestors, newest first (one request per version shown)."""
+        """`ref` and its ancestors, newest first (one request per version shown). Raises InvalidArgumentError for a
+        limit that is no count, as Store.log does."""
+        check_limit(limit)
         head = self.version(ref)
+        if limit == 0:
+            return []
         out = [head]
         for vid in self._walk(f"/versions/{head.id}/ancestors", first_parent=str(first_parent).lower()):
             if limit is not None and len(out) >= limit:

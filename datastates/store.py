@@ -167,7 +167,8 @@ class Store(Queries):
              pool_bytes: int | None = None, verify: bool = True, zstd_level: int = 0, workers: int = 2,
              hot: str | os.PathLike[str] | None = None, hot_capacity: str | int | None = None,
              flush: Flush | None = None, promote: bool | None = None, reuse_unchanged: bool = False,
-             comm: Any = None, partner: bool = False, read_only: bool = False) -> Store:
+             comm: Any = None, partner: bool = False, read_only: bool = False,
+             record_tiers: bool = True) -> Store:
         """Open (and by default create) the store at `path`.
 
         With `hot=DIR`, `path` is the cold tier (shared, the truth) and DIR the
@@ -196,6 +197,9 @@ class Store(Queries):
         log` works in a repository one may only read): loads and queries work, nothing is written, and every
         call that would write (save, branch, tag, annotate, fork, prune, gc, fsck --repair) raises
         ReadOnlyStoreError. No refresh from cold and no flusher then; `store.read_only` says which it is.
+        `record_tiers=False`: the tier settings given here (hot=, hot_capacity=, flush=, promote=) are for this open
+        only, config.toml is left as it is (the command line's --hot: a reader's own hot tier must not become the
+        store's).
         """
         for name, value in (("path", path), ("hot", hot)):
             if not isinstance(value, (str, os.PathLike)) and not (name == "hot" and value is None):
@@ -218,7 +222,8 @@ class Store(Queries):
         if job.size > 1 and hot is not None:
             restore_lost_nodes(job, Path(hot), partner=partner)
         opening = partial(open_repository, path, create=create, chunk_size=chunk_size, verify=verify, hot=hot,
-                          hot_capacity=hot_capacity, flush=flush, promote=promote, read_only=read_only)
+                          hot_capacity=hot_capacity, flush=flush, promote=promote, read_only=read_only,
+                          record_tiers=check_flag(record_tiers, "record_tiers"))
         repo, rebuild, cold_ok = opening() if job.size == 1 else _open_in_turn(job, opening, hot)
         store = cls(repo, pool_bytes=pool_bytes or default_pool_bytes(), zstd_level=zstd_level, workers=workers)
         if rebuild:

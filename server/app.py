@@ -37,6 +37,9 @@ ERROR_RESPONSES: dict[int | str, dict[str, object]] = {
         (409, "conflict (name exists, compare-and-swap lost)"), (410, "the version's bytes were pruned"),
         (413, "request body too large"), (416, "range not satisfiable"), (422, "request does not validate"),
         (500, "internal error (typed, with a request id)")]}
+ENV_HOT = "DATASTATES_SERVER_HOT"
+"""The hot tier of one's own that `datastates --hot DIR serve` reads the store through (see Store.open's
+record_tiers)."""
 ENV_TOKEN_FILE = "DATASTATES_SERVER_TOKEN_FILE"
 STATIC = Path(__file__).parent / "static"
 
@@ -61,8 +64,9 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
 
 
 def create_app(store_path: str | os.PathLike[str], token: str | None = None,
-               cors_origin: str | None = None) -> FastAPI:
-    """The FastAPI app over the store at `store_path` (which must exist).
+               cors_origin: str | None = None, hot: str | os.PathLike[str] | None = None) -> FastAPI:
+    """The FastAPI app over the store at `store_path` (which must exist), through the hot tier `hot` if given
+    (for this server only: config.toml is left as it is).
 
     `token`: writes need `Authorization: Bearer <token>`; None makes every write endpoint answer 403.
     `cors_origin`: the one origin browsers may call from (CORS is off by default).
@@ -71,7 +75,7 @@ def create_app(store_path: str | os.PathLike[str], token: str | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        app.state.store = ds.Store.open(store_path, create=False)
+        app.state.store = ds.Store.open(store_path, create=False, hot=hot, record_tiers=False)
         try:
             yield
         finally:
@@ -111,4 +115,5 @@ def app_from_env() -> FastAPI:
         raise ds.InvalidArgumentError(f"${ENV_STORE} is not set; start the server with `datastates serve --store PATH`")
     token_file = os.environ.get(ENV_TOKEN_FILE)
     token = read_token_file(token_file) if token_file else None
-    return create_app(path, token=token, cors_origin=os.environ.get(ENV_CORS) or None)
+    return create_app(path, token=token, cors_origin=os.environ.get(ENV_CORS) or None,
+                      hot=os.environ.get(ENV_HOT) or None)

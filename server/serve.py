@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .app import ENV_CORS, ENV_STORE, ENV_TOKEN_FILE, read_token_file
+from .app import ENV_CORS, ENV_HOT, ENV_STORE, ENV_TOKEN_FILE, read_token_file
 
 MAX_REQUEST_HEAD = 512 * 1024
 """Bytes of a request line and headers uvicorn's h11 protocol reads. Its 16 KiB default is below a query the
@@ -37,13 +37,18 @@ def serve(args: argparse.Namespace) -> int:
         print(f"datastates serve: --workers {args.workers} must be 1 or more", file=sys.stderr)
         return 2
     try:
-        ds.Store.open(args.store, create=False).close()  # fail here, once, rather than in every worker
+        hot = getattr(args, "hot", None)
+        ds.Store.open(args.store, create=False, hot=hot, record_tiers=False).close()  # here once, not per worker
         if args.token_file:
             read_token_file(args.token_file)
     except ds.DataStatesError as exc:
         print(f"datastates serve: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     os.environ[ENV_STORE] = str(args.store)
+    if hot:
+        os.environ[ENV_HOT] = os.path.abspath(hot)
+    else:
+        os.environ.pop(ENV_HOT, None)
     # Workers read the token from the file themselves: the token never travels in the environment.
     if args.token_file:
         os.environ[ENV_TOKEN_FILE] = os.path.abspath(args.token_file)

@@ -212,6 +212,21 @@ def test_a_flipped_digit_of_format_is_refused_and_an_old_format_opens(filled: ds
         assert s.chunk_size == 16777216
 
 
+def test_a_cold_mark_by_an_older_datastates_is_not_damage(tmp_path: Path) -> None:
+    """A datastates from before FORMAT's checksum marks a cold tier by adding "tier" and keeps the checksum it read:
+    the store was then refused as damaged (a review)."""
+    from datastates.objects.tier import Tier
+
+    tier = Tier(tmp_path / "t")
+    tier.create({"chunk_size": 1 << 20})
+    info = json.loads((tmp_path / "t" / "FORMAT").read_text())
+    (tmp_path / "t" / "FORMAT").write_text(json.dumps(info | {"tier": "cold"}, sort_keys=True))  # as it writes it
+    assert tier.read_format() == {k: v for k, v in info.items() if k != "blake3"} | {"tier": "cold"}
+    (tmp_path / "t" / "FORMAT").write_text(json.dumps(info | {"tier": "cold", "chunk_size": 1 << 21}))
+    with pytest.raises(ds.StoreFormatError, match="does not match its checksum"):
+        tier.read_format()
+
+
 def test_newer_format_is_refused(filled: ds.Store) -> None:
     path = filled.path
     filled.save({"x": torch.ones(1)})

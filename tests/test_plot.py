@@ -163,6 +163,21 @@ def test_histograms_sample_long_chains_keeping_first_and_last(trained: ds.Store)
         plot.histograms(trained, "main", "model.2.bias", bins=100_000_000)  # (it ran for minutes: a review)
 
 
+def test_an_unbounded_change_is_a_red_bar_not_none(tmp_path: Path) -> None:
+    """A change from all zeros, or to NaN, was drawn as no bar: no change (a review)."""
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"bias": torch.zeros(3), "w": torch.ones(3), "x": torch.ones(3)}, step=0)
+        s.save({"bias": torch.ones(3), "w": torch.full((3,), 2.0), "x": torch.tensor([1.0, float("nan"), 1.0])},
+               step=1)
+        data = plot.diff_data(s, "main~1", "main")
+        assert dict(zip(data.keys, data.rel_change.tolist())) == {"bias": math.inf, "w": 1.0, "x": math.inf}
+        fig = plot.diff(s, "main~1", "main")
+    bars = {t.get_text(): p for t, p in zip(fig.axes[0].get_yticklabels(), fig.axes[0].patches)}
+    assert bars["w"].get_width() == pytest.approx(1.0)
+    assert bars["bias"].get_width() == bars["x"].get_width() == pytest.approx(1.2)  # past the longest finite one
+    assert [t.get_text() for t in fig.axes[0].texts] == [" inf", " inf"]
+
+
 def test_diff_bars_are_the_stores_relative_change_and_cosine(trained: ds.Store) -> None:
     table = {r["key"]: r for r in trained.diff("main", "ft").to_pylist()}
     fig = plot.diff(trained, "main", "ft")

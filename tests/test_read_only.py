@@ -311,6 +311,7 @@ def test_another_users_two_tier_store_reads_through_a_hot_tier_of_ones_own() -> 
             assert s.flush(timeout=60)
         for p in (top, *top.rglob("*")):
             p.chmod(0o555 if p.is_dir() else 0o444)
+        cold.chmod(0o777)  # a folder anyone may write, over subfolders none but the owner may (a review's case)
         their_hot.chmod(0o700)  # node-local, the other user's
         (top / "own").mkdir(mode=0o777)
         (top / "own").chmod(0o777)

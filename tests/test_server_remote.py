@@ -65,6 +65,12 @@ def test_find_equals_the_store(remote: ds.RemoteStore, store: ds.Store) -> None:
     assert remote.find("metrics.f1 is null", allow_missing=True) != []
 
 
+def test_log_limit_is_checked_as_the_stores(remote: ds.RemoteStore, store: ds.Store) -> None:
+    assert [v.id for v in remote.log(limit=2)] == [v.id for v in store.log(limit=2)] and remote.log(limit=0) == []
+    with pytest.raises(ds.InvalidArgumentError, match="must be a number of versions"):
+        remote.log(limit=-1)  # (it returned [] silently: a review)
+
+
 def test_lineage_equals_the_store(remote: ds.RemoteStore, store: ds.Store) -> None:
     assert remote.ancestors("main") == store.ancestors("main")
     assert remote.ancestors("main", first_parent=True) == store.ancestors("main", first_parent=True)

@@ -516,3 +516,21 @@ def test_refresh_moves_a_branch_forward_across_versions_the_flush_policy_kept_of
     with ds.Store.open(cold, hot=tmp_path / "hotB", create=False) as b:
         assert b.version("main").step == 7 and b.load("main")["w"][0].item() == 7.0
         assert b.reflog("main")[-1]["message"] == "refresh from cold"
+
+
+def test_the_command_lines_hot_tier_is_for_that_command_only(tmp_path: Path) -> None:
+    """datastates --hot DIR log rewrote config.toml to name DIR: the owner's next plain command then read an empty
+    hot tier and missed a version not yet on cold (a review). --hot is that command's hot tier only."""
+    from datastates.cli import main as cli
+
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    with ds.Store.open(cold, hot=hot, flush=ds.Flush(tagged_only=True)) as s:
+        first = s.save(_state(1), step=1)
+        s.tag("t", first)
+        assert s.flush(timeout=60)
+        later = s.save(_state(2), step=2)  # on hot only (the policy flushes tagged versions)
+    config = (cold / "config.toml").read_bytes()
+    assert cli(["--store", str(cold), "--hot", str(tmp_path / "elsewhere"), "log"]) == 0
+    assert (cold / "config.toml").read_bytes() == config
+    with ds.Store.open(cold) as s:  # the store's own hot tier, as before
+        assert s.resolve("main") == later.id

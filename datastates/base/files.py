@@ -33,6 +33,8 @@ def json_finite(x: Any) -> Any:
     """`x` with every non-finite float (nested in dicts, lists, tuples) as the string "NaN", "Infinity" or
     "-Infinity": JSON has no such numbers, and Python's json writes bare tokens other parsers refuse. The REST
     server's encoding, and the CLI's --json."""
+    if type(x).__module__ == "numpy" and getattr(x, "shape", None) == ():
+        x = x.item()  # a numpy scalar (float32 has no json encoding: it printed as the string 'inf')
     if isinstance(x, float) and not math.isfinite(x):
         return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
     if isinstance(x, dict):

@@ -82,7 +82,10 @@ def _run(args: argparse.Namespace) -> int:
     logger = logging.getLogger("datastates")
     logger.addHandler(warnings)
     try:
-        store = Store.open(args.store, create=getattr(args, "creates", False), hot=getattr(args, "hot", None))
+        creates = getattr(args, "creates", False)
+        # --hot is this command's hot tier only (a reader's own): it never becomes the store's in config.toml, but
+        # for `init`, which makes the store with it.
+        store = Store.open(args.store, create=creates, hot=getattr(args, "hot", None), record_tiers=creates)
         try:
             return int(args.handler(store, args))
         finally:

@@ -60,13 +60,15 @@ def _fsck_standalone(args: argparse.Namespace) -> int:
         print("datastates: no store given; pass --store PATH or set DATASTATES_STORE", file=sys.stderr)
         return 2
     try:
-        store = Store.open(args.store, create=False, hot=getattr(args, "hot", None))
+        store = Store.open(args.store, create=False, hot=getattr(args, "hot", None),
+                           record_tiers=False)
     except CatalogDamagedError as exc:
         if not args.repair:
             raise
         moved = quarantine_catalog(args.store, getattr(args, "hot", None))
         print(f"repaired: {exc}; moved it to {moved} and rebuilt it from the version records")
-        store = Store.open(args.store, create=False, hot=getattr(args, "hot", None))
+        store = Store.open(args.store, create=False, hot=getattr(args, "hot", None),
+                           record_tiers=False)
     try:
         return _fsck(store, args)
     finally:

@@ -82,8 +82,8 @@ def diff(store: Repository, a: Any, b: Any, keys: list[str] | None = None) -> pa
             holder = next((v for v, m in ((va, ma), (vb, mb)) if k in PathIndex(m.tree).route([k])[1]), None)
             if holder is not None:  # (said 'in neither', and `ls` lists tensors only: a review)
                 raise NotFoundError(f"key {k!r} of {holder.short} holds no tensor (a plain value, or containers of "
-                                    f"them); diff compares tensors: load it to see it, store.load({holder.short!r}, "
-                                    f"keys=[{k!r}])")
+                                    "them); diff compares tensors: load that key of the version in Python to see it "
+                                    "(Store.load with keys=[...])")
             names = sorted({r["key"] for r in ma.rows if r["kind"] != "storage"}
                            | {r["key"] for r in mb.rows if r["kind"] != "storage"})
             close = difflib.get_close_matches(k, names, n=3, cutoff=0.5)
@@ -141,7 +141,7 @@ def _compare(store: Repository, ma: Manifest, x: dict[str, Any], mb: Manifest, y
     status = "same" if shared == total and x["chunks"] == y["chunks"] else "changed"
     cosine = rel = None
     if na is not None and nb is not None:
-        rel = l2 / na if na > 0 else (0.0 if l2 == 0 else math.inf)
+        rel = _relative(l2, na)
         if na > 0 and nb > 0 and math.isfinite(sq):
             cosine = max(-1.0, min(1.0, (na * na + nb * nb - sq) / (2 * na * nb)))
     return {"status": status, "l2_change": l2, "rel_change": rel, "cosine": cosine, "max_abs_diff": max_abs,
@@ -187,13 +187,25 @@ def _compare_values(a: bytes, b: bytes, dtype: torch.dtype) -> dict[str, Any]:
     fa, fb = _as_float(a, dtype), _as_float(b, dtype)
     sq, max_abs = _accumulate(fa, fb, 0.0, 0.0)
     l2 = math.sqrt(sq)
-    na = float(torch.linalg.vector_norm(torch.nan_to_num(fa))) if fa.numel() else 0.0
-    nb = float(torch.linalg.vector_norm(torch.nan_to_num(fb))) if fb.numel() else 0.0
-    rel = l2 / na if na > 0 else (0.0 if l2 == 0 else math.inf)
+    # Norms of the finite values, as the stored statistics (`l2`) are: nan_to_num made an infinity the dtype's
+    # largest number, and every change beside it read as 0 (a review).
+    na = float(torch.linalg.vector_norm(fa[torch.isfinite(fa)])) if fa.numel() else 0.0
+    nb = float(torch.linalg.vector_norm(fb[torch.isfinite(fb)])) if fb.numel() else 0.0
+    rel = _relative(l2, na)
     cosine = (max(-1.0, min(1.0, (na * na + nb * nb - sq) / (2 * na * nb)))
               if na > 0 and nb > 0 and math.isfinite(sq) else None)
     return {"status": "same" if a == b else "changed", "l2_change": l2, "rel_change": rel, "cosine": cosine,
             "max_abs_diff": max_abs}
+
+
+def _relative(l2: float, norm: float) -> float:
+    """The change's L2 over the first version's: infinite for an unbounded change (also over an infinite norm, where
+    the division gave NaN) or a change from all zeros; 0 for none."""
+    if l2 == 0:
+        return 0.0
+    if math.isinf(l2) or not norm > 0:
+        return math.inf
+    return l2 / norm if math.isfinite(norm) else 0.0
 
 
 def _accumulate(fa: torch.Tensor, fb: torch.Tensor, sq: float, max_abs: float) -> tuple[float, float]:

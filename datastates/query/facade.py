@@ -17,6 +17,13 @@ from .lineage import ancestors, descendants, merge_base, paths
 from .table import find
 
 
+def check_limit(limit: Any) -> None:
+    """InvalidArgumentError unless `limit` is None or a count of versions (0 or more): a negative one sliced
+    silently, limit=-1 giving every version but the root (a review)."""
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise InvalidArgumentError(f"limit={limit!r} must be a number of versions, 0 or more (None: all)")
+
+
 class Queries:
     """Read-only questions about versions (mixed into `Store`)."""
 
@@ -28,9 +35,7 @@ class Queries:
         lacks, as `git log` ends at a shallow clone's boundary: one the flush policy kept off the cold tier, or a
         record lost (`fsck` says which); `graph.absent_parents(id)` names them. `limit`: at most that many (0 or
         more). Raises NotFoundError for `ref`, InvalidArgumentError for a limit that is not one."""
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
-            # A negative one sliced silently: limit=-1 gave every version but the root (a review).
-            raise InvalidArgumentError(f"limit={limit!r} must be a number of versions, 0 or more (None: all)")
+        check_limit(limit)
         start = self.repo.resolve(ref)
         ids = [start] + ancestors(self.repo.graph, start, first_parent=first_parent)
         if limit is not None:

@@ -44,12 +44,14 @@ def _check_apart(root: Path, hot: Path) -> None:
 
 def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: int | None, verify: bool,
                     hot: str | os.PathLike[str] | None, hot_capacity: str | int | None, flush: Flush | None,
-                    promote: bool | None, read_only: bool = False) -> tuple[Repository, bool, bool]:
+                    promote: bool | None, read_only: bool = False, record_tiers: bool = True
+                    ) -> tuple[Repository, bool, bool]:
     """The repository at `path`, created if missing and `create`. Returns (repository, whether its
     catalog must be rebuilt from the tier files, whether the cold tier is reachable).
 
     `read_only`, or a store whose catalog folder this process may not write: the catalog opens read-only and
-    nothing is written here (no settings, no role marks, no tier made). Raises StoreFormatError (newer format,
+    nothing is written here (no settings, no role marks, no tier made). `record_tiers=False`: the tier settings
+    given are for this open only (config.toml is left as it is). Raises StoreFormatError (newer format,
     non-store directory, a read-only store without a catalog), NotFoundError (nothing there and not `create`, or
     a read-only open of nothing), InvalidArgumentError (chunk size), ReadOnlyStoreError (a store to be created
     where this process may not write).
@@ -128,7 +130,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         raise _no_store(root)
     # Another user's store on the shared tier: this process may read it, not write it (no config.toml, no role
     # mark, no flush, no save), through a hot tier of its own where its catalog is made.
-    shared_closed = root if cold_ok and cold_info is not None and not os.access(root, os.W_OK) else None
+    shared_closed = root if cold_ok and cold_info is not None and _closed_to_us(root) else None
     if shared_closed is not None and hot is None and hot_info is None:
         raise ReadOnlyStoreError(
             f"store {root} is read-only for this user, and the hot tier its config.toml names ({cfg.hot}) holds no "
@@ -154,7 +156,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
             log.warning("could not record the cold role in %s/FORMAT (%s)", root, exc)
     if hot_info is None:
         _creating(hot_tier, settings, "hot tier")
-    if cold_ok and not read_only and shared_closed is None and (saved is None or saved != cfg):
+    if cold_ok and record_tiers and not read_only and shared_closed is None and (saved is None or saved != cfg):
         tier_config.save(root, cfg)
     size = int(settings["chunk_size"])
     check_chunk_size(size)
@@ -173,6 +175,14 @@ def _unwritable(catalog: Path, root: Path) -> Path | None:
     opens read-only, as `git log` works in a repository one may only read. None when it may."""
     where = catalog if catalog.exists() else root
     return where if where.exists() and not os.access(where, os.W_OK) else None
+
+
+def _closed_to_us(root: Path) -> bool:
+    """Whether this process may not write what a save or a flush writes on the shared tier (the tier's folder,
+    config.toml, packs/, manifests/, versions/, refs/): another user's store, read through a hot tier of one's
+    own. (A writable top folder over read-only subfolders is such a store too.)"""
+    names = ("", "config.toml", "packs", "manifests", "versions", "refs")
+    return any((root / n).exists() and not os.access(root / n, os.W_OK) for n in names)
 
 
 def _not_open_read_only(catalog: Path, root: Path, read_only: bool) -> None:
