@@ -218,8 +218,10 @@ def test_page_token_of_another_query_is_refused(client: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize(("path", "params", "named"), [
-    ("/versions", {"filtr": "step > 1"}, "did you mean filter=? it takes branch, filter, limit, order_by, page_token"),
-    ("/versions", {"where": "step > 1", "limit": 2}, "it takes branch, filter, limit, order_by, page_token"),
+    ("/versions", {"filtr": "step > 1"},
+     "did you mean filter=? it takes allow_missing, branch, filter, limit, order_by, page_token"),
+    ("/versions", {"where": "step > 1", "limit": 2},
+     "it takes allow_missing, branch, filter, limit, order_by, page_token"),
     ("/versions/main", {"x": "1"}, "it takes no query parameters"),
     ("/versions/main/state", {"key": "model.fc.weight"}, "did you mean keys=?"),
 ])
