@@ -36,7 +36,6 @@ from .errors import (
     DataStatesError,
     InvalidArgumentError,
     PrunedError,
-    ReadOnlyStoreError,
     SaveFailedError,
     StoreClosedError,
     check_keywords,
@@ -48,7 +47,7 @@ from .maintenance.fsck import fsck
 from .maintenance.gc import COLD_GRACE_S, gc
 from .maintenance.refresh import refresh
 from .maintenance.retention import prune
-from .meta.catalog import Catalog, read_only_message
+from .meta.catalog import Catalog
 from .meta.graph import CatalogGraph
 from .meta.refs import RefStore
 from .meta.versions import Version, decode_record
@@ -525,9 +524,7 @@ class Store(Queries):
         fast-forward local refs to cold's. Returns counts of what was added. Raises ReadOnlyStoreError on a store
         opened read-only (it writes this node's catalog and refs; another user's store read through a hot tier of
         one's own refreshes, as that hot tier is this user's)."""
-        self._check_open()
-        if self.repo.catalog.read_only:
-            raise ReadOnlyStoreError(read_only_message(self.path, self.repo.catalog.unwritable))
+        self.repo.check_catalog_writable()
         return refresh(self.repo)
 
     def tiers_status(self) -> list[dict[str, Any]]:

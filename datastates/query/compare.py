@@ -260,8 +260,7 @@ def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
     would otherwise read as an empty history).
     """
     store = as_repository(store)
-    if not isinstance(key, str) or not key:
-        raise InvalidArgumentError(f"key={key!r} is not a key path; give one such as 'model.fc.weight'")
+    _check_key(key)
     rows: list[dict[str, Any]] = []
     prev: dict[str, Any] | None = None
     prev_chunks: list[bytes] = []
@@ -288,6 +287,11 @@ def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
     return pa.Table.from_pylist(rows, schema=HISTORY_SCHEMA)
 
 
+def _check_key(key: Any) -> None:
+    if not isinstance(key, str) or not key:
+        raise InvalidArgumentError(f"key={key!r} is not a key path; give one such as 'model.fc.weight'")
+
+
 def _no_such_key(store: Repository, chain: list[Version], key: str, ref: Any) -> NotFoundError:
     keys = list(store.manifest_of(chain[-1]).index)
     close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
@@ -301,8 +305,7 @@ def history_values(store: Repository, key: str, ref: Any = "main") -> Iterator[t
     NotFoundError at the call, as `history` does, when no version of the chain has `key` (a typo iterated as
     nothing)."""
     store = as_repository(store)
-    if not isinstance(key, str) or not key:
-        raise InvalidArgumentError(f"key={key!r} is not a key path; give one such as 'model.fc.weight'")
+    _check_key(key)
     chain = history_versions(store, ref)
     having = [v for v in chain if key in store.manifest_of(v).index]
     if not having and chain:

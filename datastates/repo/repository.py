@@ -134,9 +134,7 @@ class Repository:
     def check_writable(self) -> None:
         """check_open, then ReadOnlyStoreError on a store opened read-only (for the calls that write), and
         StoreFormatError when the tier saves write to was deleted while the store was open."""
-        self.check_open()
-        if self.catalog.read_only:
-            raise ReadOnlyStoreError(read_only_message(self.path, self.catalog.unwritable))
+        self.check_catalog_writable()
         if self.shared_closed is not None:
             raise ReadOnlyStoreError(read_only_message(self.path, self.shared_closed))
         if not (self.tier.root / "FORMAT").exists():
@@ -149,6 +147,13 @@ class Repository:
                 f"hot tier {self.tier.root} was deleted while the store was open (its FORMAT file is gone): nothing "
                 "was written. Close the store and open it again: the hot tier is made anew, and the versions on "
                 "cold come back from there")
+
+    def check_catalog_writable(self) -> None:
+        """check_open, then ReadOnlyStoreError when this node's catalog was opened read-only (refresh writes only
+        that, and may run on another user's store read through a hot tier of one's own)."""
+        self.check_open()
+        if self.catalog.read_only:
+            raise ReadOnlyStoreError(read_only_message(self.path, self.catalog.unwritable))
 
     def check_readable(self) -> None:
         """StoreClosedError once the catalog is let go (for reads: the drain of a closing store still reads), and in
