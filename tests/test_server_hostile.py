@@ -65,7 +65,7 @@ def error(r: httpx.Response) -> tuple[int, str]:
     ("/tags", {"k": "tags", "after": 3}),
     ("/versions/main/tensors", {"k": "tensors"}),
     ("/versions/main/tensors", {"k": "tensors", "q": "x", "v": "main", "o": "abc"}),
-    ("/tensors/model.fc.weight/history", {"k": "history", "key": "model.fc.weight"}),
+    ("/tensors/model.fc.weight/history", {"k": "key-history", "key": "model.fc.weight"}),
     ("/populations/sweep/tree", {"k": "tree", "o": "x"}),
     ("/versions/main/ancestors", {"k": "ancestors", "q": "x", "v": "main", "o": True}),
     ("/graph", {"k": "graph", "q": "x", "offset": "9"}),

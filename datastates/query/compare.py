@@ -259,32 +259,81 @@ def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
     Raises NotFoundError naming close keys when no version of the chain has `key` (a typo
     would otherwise read as an empty history).
     """
+    rows, _ = history_page(store, key, ref)
+    return rows
+
+
+def history_page(store: Repository, key: str, ref: Any = "main", start: int = 0,
+                 limit: int | None = None) -> tuple[pa.Table, int | None]:
+    """At most `limit` rows of `history` (all without one), from position `start` of the first-parent chain of
+    `ref`, and the position to pass as `start` for the next rows (None when none follow).
+
+    A position counts every version of the chain oldest first, pruned ones too, so positions stay valid while
+    versions are pruned between two calls. A page reads the manifests of its own versions and of the one before
+    it (for `chunks_changed` and `l2_delta`), never the whole chain's: page k of a 6,000-version history costs
+    what page 1 does. Raises NotFoundError as `history` does (when no version of the chain has `key`; checked
+    when `start` is 0), InvalidArgumentError for a `start` outside the chain."""
     store = as_repository(store)
     _check_key(key)
+    head = store.resolve(ref)
+    chain = ancestors(store.graph, head, first_parent=True, include_start=True)[::-1]
+    if not 0 <= start <= len(chain):
+        raise InvalidArgumentError(f"start={start} is outside the first-parent chain of {ref!r} "
+                                   f"({len(chain)} versions); start again at 0")
     rows: list[dict[str, Any]] = []
-    prev: dict[str, Any] | None = None
-    prev_chunks: list[bytes] = []
-    chain = history_versions(store, ref)
-    for v in chain:
-        m = store.manifest_of(v)
-        i = m.index.get(key)
-        if i is None:
+    prev = _history_before(store, key, chain, start)
+    nxt: int | None = None
+    for pos in range(start, len(chain)):
+        got = _history_at(store, key, chain[pos])
+        if got is None:
             continue
-        r = m.row(i)
-        tr = _tensor_row(m, r) or r
-        # The chunks of the bytes this key sees (for a view: the overlapping chunks of its storage), so a
-        # change made through another view of a shared storage counts here too.
-        chunks = key_chunks(m, r)
-        changed = None if prev is None else sum(
-            1 for j, c in enumerate(chunks) if j >= len(prev_chunks) or prev_chunks[j] != c)
-        l2_delta = None if prev is None or prev["l2"] is None or tr["l2"] is None else tr["l2"] - prev["l2"]
-        rows.append({"version": v.id, "step": v.step, "created": v.created, "dtype": r["dtype"], "shape": r["shape"],
+        if limit is not None and len(rows) == limit:
+            nxt = pos  # a row follows: the next page starts at it
+            break
+        v, tr, r, chunks = got
+        if prev is None:
+            changed = l2_delta = None
+        else:
+            p_tr, p_chunks = prev
+            changed = sum(1 for j, c in enumerate(chunks) if j >= len(p_chunks) or p_chunks[j] != c)
+            l2_delta = None if p_tr["l2"] is None or tr["l2"] is None else tr["l2"] - p_tr["l2"]
+        rows.append({"version": v.id, "step": v.step, "created": v.created, "dtype": r["dtype"],
+                     "shape": r["shape"],
                      **{f: tr[f] for f in ("min", "max", "mean", "std", "l2", "nan_count", "inf_count")},
                      "chunks_changed": changed, "l2_delta": l2_delta})
-        prev, prev_chunks = tr, chunks
-    if not rows and chain:
-        raise _no_such_key(store, chain, key, ref)
-    return pa.Table.from_pylist(rows, schema=HISTORY_SCHEMA)
+        prev = tr, chunks
+    if not rows and start == 0:
+        live = [v for v in (store.version(x) for x in chain) if not v.pruned]
+        if live:
+            raise _no_such_key(store, live, key, ref)
+    return pa.Table.from_pylist(rows, schema=HISTORY_SCHEMA), nxt
+
+
+def _history_at(store: Repository, key: str, vid: str) -> tuple[Version, dict[str, Any], dict[str, Any],
+                                                                 list[bytes]] | None:
+    """(version, the row holding the statistics, the key's row, the chunks its bytes lie in) of `key` at
+    `vid`, or None when `vid` is pruned or has no `key`."""
+    v = store.version(vid)
+    if v.pruned:
+        return None
+    m = store.manifest_of(v)
+    i = m.index.get(key)
+    if i is None:
+        return None
+    r = m.row(i)
+    # The chunks of the bytes this key sees (for a view: the overlapping chunks of its storage), so a
+    # change made through another view of a shared storage counts here too.
+    return v, _tensor_row(m, r) or r, r, key_chunks(m, r)
+
+
+def _history_before(store: Repository, key: str, chain: list[str],
+                    start: int) -> tuple[dict[str, Any], list[bytes]] | None:
+    """The statistics row and chunks of the last version before position `start` that has `key`."""
+    for pos in range(start - 1, -1, -1):
+        got = _history_at(store, key, chain[pos])
+        if got is not None:
+            return got[1], got[3]
+    return None
 
 
 def _check_key(key: Any) -> None:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Header, Query, Response
 from fastapi.responses import StreamingResponse
 
 import datastates as ds
+from datastates.query.compare import history_page
 from datastates.tensor_bytes import select_tensor_keys, tensor_bytes_info, tensor_paths
 
 from .. import paging
@@ -114,6 +115,8 @@ def history(key: str, ref: str = Query("main", max_length=1024), limit: int = Li
             page_token: str | None = Token, store: ds.Store = Depends(get_store)) -> dict[str, Any]:
     """Stats along the first-parent chain of `ref`, oldest first; reads manifests, never tensor bytes."""
     k = ref_param(key, "key")
-    vid, start = paging.pinned(page_token, "history", ref, k) or (store.resolve(ref_param(ref)), 0)
-    items, nxt = paging.offset_page(table_rows(store.history(k, vid)), start, limit)
-    return {"items": items, "next_page_token": paging.pinned_token("history", vid, nxt, ref, k)}
+    # The token holds a position in the pinned version's first-parent chain (not a row offset; tokens of
+    # row offsets were of kind "history"), so a page reads its own versions only, never the whole chain.
+    vid, start = paging.pinned(page_token, "key-history", ref, k) or (store.resolve(ref_param(ref)), 0)
+    rows, nxt = history_page(store.repo, k, vid, start, limit)
+    return {"items": table_rows(rows), "next_page_token": paging.pinned_token("key-history", vid, nxt, ref, k)}
