@@ -219,7 +219,8 @@ class UpdateRatioData:
     x: np.ndarray
     """Steps (or positions) of those versions."""
     ratios: np.ndarray
-    """keys x versions; 0.0 for an unchanged tensor, NaN where either side lacks the key or is all zeros."""
+    """keys x versions; 0.0 for an unchanged tensor, NaN where either side lacks the key, inf for an unbounded
+    change (from all zeros, or to or from NaN or an infinity: a run that diverged), as `diff_data` has it."""
     chunks_read: int
     """How many chunk pairs had to be read (the others were shared, so their change is known to be 0)."""
     has_steps: bool = True
@@ -241,7 +242,7 @@ def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str
             if row["key"] is None or not _selected(row["key"], patterns) or row["chunks_total"] is None:
                 continue  # plain values, views and added/removed/reshaped tensors have no ratio
             rel = row["rel_change"]
-            col[row["key"]] = math.nan if rel is None or math.isinf(rel) else float(rel)
+            col[row["key"]] = math.nan if rel is None else float(rel)
             chunks_read += row["chunks_total"] - row["chunks_shared"]
         cols.append(col)
     names = sorted({k for c in cols for k in c})
@@ -276,14 +277,22 @@ def update_ratios(store: Store, ref: Any = "main", keys: str | Iterable[str] | N
             floor = float(positive.min()) if positive.size else 1e-12
             shown = np.log10(np.where(shown > 0, shown, np.where(np.isnan(shown), np.nan, floor)))
         label = "log10 " + label
-    cmap = _colormap("viridis").with_extremes(bad="lightgrey")
-    image = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap=cmap)
+    # An unbounded change (a diverged run) is drawn in the colormap's "over" colour, past the largest finite
+    # ratio: masked as invalid it would read as "no data".
+    unbounded = np.isposinf(shown)
+    finite = shown[np.isfinite(shown)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+    shown[unbounded] = high + 1.0
+    cmap = _colormap("viridis").with_extremes(bad="lightgrey", over="red")
+    image = ax.imshow(np.ma.masked_invalid(shown), aspect="auto", interpolation="nearest", cmap=cmap,
+                      vmin=low, vmax=high)
     ax.set_yticks(range(len(data.keys)), [_short(k) for k in data.keys], fontsize="x-small")
     ticks = np.unique(np.linspace(0, len(data.x) - 1, min(len(data.x), 10)).astype(int))
     ax.set_xticks(ticks, [str(data.x[t]) for t in ticks])
     ax.set_xlabel(_x_label_for(data))
     ax.set_title(f"update ratio per tensor along {ref}")
-    fig.colorbar(image, ax=ax, label=label)
+    fig.colorbar(image, ax=ax, label=label + ("; red: unbounded" if unbounded.any() else ""),
+                 extend="max" if unbounded.any() else "neither")
     return fig
 
 

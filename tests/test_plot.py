@@ -124,6 +124,27 @@ def test_update_ratios_heatmap_holds_log10_of_the_ratios(trained: ds.Store) -> N
     assert [t.get_text() for t in fig.axes[0].get_yticklabels()] == sorted(KEYS)
 
 
+def test_an_unbounded_update_ratio_is_red_not_grey(tmp_path: Path) -> None:
+    """A diverged tensor's ratio was NaN, drawn light grey: "no data" (a review)."""
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"w": torch.ones(3), "x": torch.ones(3), "y": torch.zeros(3)}, step=0)
+        s.save({"w": torch.full((3,), 2.0), "x": torch.tensor([1.0, float("nan"), 1.0]), "y": torch.ones(3)},
+               step=1)
+        s.save({"w": torch.full((3,), 2.0), "x": torch.ones(3)}, step=2)
+        data = plot.update_ratios_data(s, "main")
+        fig = plot.update_ratios(s, "main")
+    assert data.keys == ["w", "x", "y"]
+    np.testing.assert_array_equal(data.ratios, [[1.0, 0.0], [math.inf, math.inf], [math.inf, math.nan]])
+    image = fig.axes[0].images[0]
+    colors = image.to_rgba(image.get_array())
+    red, grey = (1.0, 0.0, 0.0, 1.0), tuple(float(c) for c in plot._colormap("viridis").with_extremes(
+        bad="lightgrey").get_bad())
+    assert [tuple(colors[i, j]) for i, j in ((1, 0), (1, 1), (2, 0))] == [red, red, red]
+    assert tuple(colors[2, 1]) == grey  # y is gone from the last version: no data
+    assert tuple(colors[0, 0]) not in (red, grey)
+    assert fig.axes[1].get_ylabel().endswith("red: unbounded")
+
+
 def test_update_ratios_needs_two_versions(tmp_path: Path) -> None:
     with ds.Store.open(tmp_path / "s") as store:
         store.save({"w": torch.ones(3)}, step=1)
