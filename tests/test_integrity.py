@@ -474,6 +474,37 @@ def test_a_lost_pack_is_reported_with_its_versions_and_found_again_when_put_back
     assert all(loads(cold, hot, ids).values())
 
 
+@pytest.mark.parametrize("ref_too", [True, False])
+def test_repair_indexes_a_version_an_older_catalog_lacks_and_never_deletes_its_pack(tmp_path: Path,
+                                                                                    ref_too: bool) -> None:
+    """A catalog older than the newest version (restored from a backup; or a save killed between its record and
+    its commit, when the branch file is older too): repair called the version's chunks missing, quarantined its
+    record and deleted its pack, so the version was lost for good (a hunt)."""
+    root = tmp_path / "s"
+    with ds.Store.open(root, chunk_size=64 * KIB) as s:
+        s.save({"w": torch.zeros(1000)}, branch="main")
+    shutil.copytree(root / "catalog", tmp_path / "catalog-backup")
+    main = (root / "refs" / "heads" / "main").read_bytes()
+    with ds.Store.open(root) as s:
+        v2 = s.save({"w": torch.ones(1000), "b": torch.arange(7)}, branch="main")
+    shutil.rmtree(root / "catalog")
+    shutil.copytree(tmp_path / "catalog-backup", root / "catalog")
+    if ref_too:
+        (root / "refs" / "heads" / "main").write_bytes(main)
+    packs = sorted(p.name for p in (root / "packs").rglob("*.pack"))
+    with ds.Store.open(root) as s:
+        rep = s.fsck()
+        assert not any("is missing" in p for p in rep.problems)
+        assert any("does not index" in p for p in rep.problems)
+        rep = s.fsck(repair=True)
+        assert any(f"indexed version {v2.id[:12]}" in line for line in rep.repaired)
+        assert not any("removed" in line or "moved" in line for line in rep.repaired)
+        assert s.fsck().ok and s.fsck(repair=True).repaired == []
+        got = s.load(v2.id)
+    assert sorted(p.name for p in (root / "packs").rglob("*.pack")) == packs
+    assert torch.equal(got["w"], torch.ones(1000)) and torch.equal(got["b"], torch.arange(7))
+
+
 def test_a_pack_on_an_unreachable_cold_tier_only_is_not_called_lost(tmp_path: Path) -> None:
     """An evicted pack (on cold only) with cold unmounted was reported lost, with advice to restore it from a
     backup; it is a note until cold can be read again."""

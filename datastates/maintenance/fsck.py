@@ -132,7 +132,7 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
             rep.repaired.append(f"rebuilt the catalog from files: {n} versions")
         _check_leftovers(store, rep, repair)
         live_packs = _check_packs(store, rep, repair)
-        needs = _check_records(store, rep, repair)
+        needs = _check_records(store, rep, repair, _unindexed_chunks(store, live_packs))
         _check_missing_packs(store, rep, repair, live_packs, needs)
         _check_cold_copies(store, rep, repair, live_packs, needs)
         if needs.sure:
@@ -299,14 +299,13 @@ def _mark_damaged(store: Repository, vid: str, what: str) -> None:
 
 @dataclass
 class Needs:
-    """What the versions need, from their manifests: `packs` (each with the versions needing it),
-    `chunks` (ids, whatever the catalog says of them) and `manifests`. Pruned versions' count: freeing their
+    """What the versions need, from their manifests: `packs` (each with the versions needing it) and
+    `manifests`. Pruned versions' count: freeing their
     bytes is gc's job. `sure` is False when some record or manifest has no intact copy anywhere: what it
     names is unknown, so nothing may be called unreferenced."""
 
     manifests: set[str] = field(default_factory=set)
     packs: dict[str, set[str]] = field(default_factory=dict)
-    chunks: set[bytes] = field(default_factory=set)
     flushed: dict[str, list[str]] = field(default_factory=dict)
     """Versions the catalog marks as flushed to cold and no tier marks pruned -> their manifests."""
     flushed_chunks: dict[str, set[bytes]] = field(default_factory=dict)
@@ -314,11 +313,30 @@ class Needs:
     sure: bool = True
 
 
-def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
+def _unindexed_chunks(store: Repository, live: set[str]) -> dict[bytes, str]:
+    """The chunks that sealed packs of the catalog's tier hold and the catalog does not locate, each with its
+    pack: what a catalog older than the packs (restored from a backup, or a save killed between its pack and its
+    commit) lacks. A version needing them is not missing them."""
+    out: dict[bytes, str] = {}
+    cat = store.catalog
+    for pack in sorted(live):
+        idx = _index(store.tier.pack_path(pack))
+        if not idx:
+            continue
+        for (cid, _), loc in zip(idx, cat.chunks([cid for cid, _ in idx])):
+            if loc is None:
+                out.setdefault(cid, pack)
+    return out
+
+
+def _check_records(store: Repository, rep: FsckReport, repair: bool, unindexed: dict[bytes, str]) -> Needs:
     """Check every copy of every version record (each tier's file and the catalog's copy) and of
-    every manifest they name; returns what the versions need."""
+    every manifest they name; returns what the versions need. `unindexed`: chunks in packs the catalog does not
+    index (`_unindexed_chunks`); a pack holding some that an intact version needs is indexed again with repair,
+    before a version that needs it is, never removed."""
     cat = store.catalog
     needs = Needs()
+    reindexed: set[str] = set()
     flush = store.tiering.flush
     skips_versions = store.cold is not None and (flush.tagged_only or flush.every > 1)
     ids: dict[str, None] = {}
@@ -366,6 +384,7 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
         pruned = bool(cat.extra(vid).get("pruned")) or any(
             t.record_path(vid).with_suffix(".pruned").exists() for t in store.tiers)
         complete = True
+        lost_packs: set[str] = set()  # packs holding chunks of this version that the catalog does not index
         mids = [m for m in rec.get("manifests", {}).values() if isinstance(m, str)]
         for mid in mids:
             mgood, mbad = _copies(store, "manifest", mid)
@@ -393,17 +412,23 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool) -> Needs:
             if on_cold and not pruned:
                 needs.flushed.setdefault(vid, []).append(mid)
             for r in m.rows:
-                if indexed is not None:  # (a record no catalog names is a save that never committed: debris)
-                    needs.chunks.update(r["chunks"])
                 if on_cold and not pruned:
                     needs.flushed_chunks.setdefault(vid, set()).update(r["chunks"])
                 for cid, loc in zip(r["chunks"], cat.chunks(r["chunks"])):
                     if loc is not None:
                         needs.packs.setdefault(loc.pack, set()).add(vid)
+                    elif cid in unindexed:
+                        lost_packs.add(unindexed[cid])
                     elif not pruned:
                         complete = False
                         rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()[:16]} of {r['key']!r} is missing")
         needs.manifests.update(mids)
+        if indexed is not None or complete:  # (never committed and incomplete: debris, see below)
+            for pack in sorted(lost_packs):
+                needs.packs.setdefault(pack, set()).add(vid)
+                if pack not in reindexed:
+                    reindexed.add(pack)
+                    _reindex_pack(store, rep, repair, pack, unindexed)
         marked = cat.extra(vid).get("damaged") if indexed is not None else None
         if marked and complete:
             if repair:  # the quarantined file was put back intact (from a backup): the version loads again
@@ -572,19 +597,6 @@ def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[s
         idx = _index(tier.pack_path(pack))
         if idx is None:
             continue  # damaged: _check_packs reported it; never removed
-        held = [(cid, loc) for cid, loc in idx if cid in needs.chunks and cat.chunk(cid) is None]
-        if held:
-            # Versions name chunks only this pack holds, which the catalog lost (a pack restored from a backup
-            # after a repair forgot it): index them again; deleting the pack would lose them for good.
-            if repair:
-                path = tier.pack_path(pack)
-                cat.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": tier.name}, idx)
-                rep.repaired.append(f"indexed pack {pack} again: it holds {len(held)} chunk(s) versions need that "
-                                    "the catalog had lost")
-            else:
-                rep.problems.append(f"pack {pack} holds {len(held)} chunk(s) versions need that the catalog does not "
-                                    "index; `datastates fsck --repair` indexes them")
-            continue
         if _duplicates_only(store, pack):
             # Two writers stored the same new chunk; the catalog uses the other copy. Dead weight, not
             # damage: gc deletes it.
@@ -594,6 +606,21 @@ def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[s
         if repair:
             cat.drop_pack(pack)
         _orphan(rep, repair, tier.pack_path(pack), f"pack {pack} holds no chunk a version needs", tier.root)
+
+
+def _reindex_pack(store: Repository, rep: FsckReport, repair: bool, pack: str, unindexed: dict[bytes, str]) -> None:
+    """Index `pack` again (its chunks that the catalog does not locate); without repair, report it."""
+    held = sum(1 for p in unindexed.values() if p == pack)
+    if not repair:
+        rep.problems.append(f"pack {pack} holds {held} chunk(s) versions need that the catalog does not index; "
+                            "`datastates fsck --repair` indexes them")
+        return
+    path = store.tier.pack_path(pack)
+    idx = _index(path) or []
+    store.catalog.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": store.tier.name},
+                                  idx)
+    rep.repaired.append(f"indexed pack {pack} again: it holds {held} chunk(s) versions need that the catalog had "
+                        "lost")
 
 
 def _index(path: Path) -> list[tuple[bytes, Any]] | None:
