@@ -150,7 +150,7 @@ class Store(Queries):
         """Where each rank's hot tier and partner copies are (a job of several ranks)."""
         self.reuse_unchanged = False
         self._evictor = Evictor(repo)
-        self._errors: list[BaseException] = []
+        self._errors: list[tuple[SaveHandle, BaseException]] = []
         self._lock = threading.Lock()
         self._table: tuple[Any, Any] | None = None
         self._saver = Saver(self._commit, self._dedup, self.tier.new_pack, self.tier.writing,
@@ -291,11 +291,14 @@ class Store(Queries):
         if job.capture_raised:
             return  # the caller got it from save_async itself; the next call must not raise it again
         with self._lock:
-            self._errors.append(exc)
+            self._errors.append((job.handle, exc))
 
     def _raise_pending(self) -> None:
+        # An error the caller already heard of (`result()` raised it, `exception()` returned it: a failed sync
+        # save) is not raised again: the next save, a valid one, would be refused and its checkpoint lost.
         with self._lock:
-            errors, self._errors = self._errors, []
+            errors = [exc for handle, exc in self._errors if not handle.delivered]
+            self._errors = []
         if errors:
             raise SaveFailedError(
                 f"{len(errors)} earlier background save(s) failed; the first: {errors[0]!r}. "
@@ -342,7 +345,11 @@ class Store(Queries):
 
         Raises UnexpectedArgumentError (a TypeError) naming `save` and the closest keyword for a typo.
         """
-        check_keywords("save", kw, Store.save_async, hidden=("_overlap",))
+        try:
+            check_keywords("save", kw, Store.save_async, hidden=("_overlap",))
+        except TypeError as exc:
+            self._refuse_together(exc)  # a typo on one rank: the others must not pair with its next save
+            raise
         return self.save_async(state, branch=branch, _overlap=True, **kw).result()
 
     def save_async(self, state: Any, *, branch: str | None = "main", parents: Sequence[Any] | None = None,
@@ -384,7 +391,8 @@ class Store(Queries):
         Raises (before anything is written) UnsupportedValueError,
         InvalidNameError, InvalidArgumentError (an `optimizer` that is none),
         NotFoundError for unknown parents, ConflictError (see
-        `force`), SaveFailedError for an earlier failed background save.
+        `force`), SaveFailedError for an earlier failed background save whose handle nobody asked (`result()`,
+        `exception()`). On several ranks, a refusal on one rank (a typo in a keyword included) is every rank's.
         """
         t_call = time.perf_counter()
         try:
@@ -394,6 +402,12 @@ class Store(Queries):
                 raise InvalidArgumentError(
                     f"optimizer= takes the torch.optim.Optimizer whose next step() waits for this lazy save's copy, "
                     f"not a {type(optimizer).__name__}; pass the optimizer, or put the object in the state")
+            if replicated is not None and (isinstance(replicated, (str, bytes)) or not all(
+                    isinstance(p, str) and p for p in replicated)):
+                # A str would be taken letter by letter (patterns 'm', 'o', ...): the version then could not
+                # be loaded at another world size.
+                raise InvalidArgumentError(f"replicated={replicated!r}: give a list of key prefixes or globs, "
+                                           "e.g. replicated=['model']")
             request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=epoch,
                                    hparams=hparams, metrics=metrics, message=message, fork_of=fork_of,
                                    explore=explore, force=force)
@@ -405,17 +419,21 @@ class Store(Queries):
                     # collectives, so there rank 0's commit refuses it, on every rank at once.
                     check_branch_move(self.refs, self.catalog, branch, self.refs.get("branch", branch),
                                       request["parents"], force)
-        except DataStatesError as exc:
-            if self.comm.size > 1 and not isinstance(exc, StoreClosedError):
-                # The other ranks are in the save's plan: they refuse it too (a closed store's rank never gets
-                # there, as it cannot take part in any collective any more).
-                refuse_together(self.comm, exc)
+        except Exception as exc:  # a TypeError of a bad argument as well as our own refusals
+            self._refuse_together(exc)
             raise
         use = self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged
         return self._saver.submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
                                   reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,
                                   commit_comm=self.commit_comm,
                                   replicated=list(replicated or []))
+
+    def _refuse_together(self, exc: Exception) -> None:
+        """On a store of several ranks, tell the others (in the save's plan) that this rank refuses the save, so
+        that they refuse it too; otherwise their save pairs with this rank's next one, and one version holds two
+        steps' shards. Not for a closed store: its rank takes part in no collective any more."""
+        if self.comm.size > 1 and not isinstance(exc, StoreClosedError):
+            refuse_together(self.comm, exc)
 
     def reserve(self, state: Any, *, allow_pickle: bool = False) -> Future[int]:
         """Make, in the background, the staging buffers that a `save_async` of `state` will copy into, so that

@@ -416,8 +416,7 @@ def test_a_failed_save_gives_a_slot_back_only_once_its_worker_is_done_with_it(
         assert len(errors) == 1 and isinstance(errors[0], ds.DataStatesError)
         assert order and all(order)  # every slot a worker had begun was given back after it finished
         assert torch.equal(store.load(v1)["a"], first["a"])
-        with pytest.raises(ds.SaveFailedError):  # reported again on the next call, as every failed save is
-            store.wait()
+        store.wait()  # the sync save raised it: not raised again
         v3 = store.save(st)  # and the store goes on
         got = store.load(v3)
         assert all(torch.equal(got[k], t) for k, t in st.items())

@@ -169,6 +169,20 @@ def test_mpi_an_argument_one_rank_refuses_refuses_the_save_on_every_rank(tmp_pat
     assert all(r["step"] == 2 and r["versions"] == 1 for r in out)
 
 
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_a_keyword_typo_on_one_rank_refuses_the_save_on_every_rank(tmp_path: Path) -> None:
+    """A misspelt keyword raised a TypeError on rank 1 only, which skipped the refusal the others wait for: rank
+    0's step-1 save paired with rank 1's step-2 one and committed a version of two steps' shards (a hunt).
+    replicated='model' (a str) was taken letter by letter; it is refused."""
+    _, out = mpirun(2, tmp_path / "store", "typo")
+    assert {r["rank"]: r["firsts"] for r in out} == {0: ["InvalidArgumentError", "InvalidArgumentError"],
+                                                     1: ["UnexpectedArgumentError", "InvalidArgumentError"]}
+    assert len({r["second"] for r in out}) == 1
+    assert all(r["step"] == 2 and r["versions"] == 1 and r["shards"] == [2.0, 102.0] for r in out)
+
+
 def _check_pipelined(out: list[dict[str, Any]], size: int) -> None:
     assert sorted(r["rank"] for r in out) == list(range(size))
     assert len({tuple(r["ids"]) for r in out}) == 1 and len(set(out[0]["ids"])) == 6

@@ -304,8 +304,7 @@ def test_the_last_slots_go_back_to_the_pool_when_their_writer_cannot_be_started(
         assert len(pool._free) == pool._allocated == len({id(b) for b in pool._free})
         with pytest.raises(ds.errors.NotFoundError):
             store.log("main")  # nothing committed
-        with pytest.raises(ds.errors.SaveFailedError, match="1 earlier background save"):
-            store.wait()  # reported once more, as every failed background save is
+        store.wait()  # result() raised it: not raised again (the next save would be lost)
         monkeypatch.undo()
         v = store.save_async(st, branch="main").result()
         assert len(pool._free) == pool._allocated == len({id(b) for b in pool._free})

@@ -376,8 +376,7 @@ def test_a_save_whose_branch_moved_off_its_parents_before_the_commit_is_refused_
         with pytest.raises(ConflictError, match=f"off its head {c[:12]}"):
             handle.result(60)
         assert store.resolve("main") == c and store.versions_table().num_rows == 2
-        with pytest.raises(ds.errors.SaveFailedError):
-            store.wait()
+        store.wait()  # result() raised it: not raised again
         assert store.save({"w": torch.full((4,), 3.0)}, branch="main", parents=[c]).parents == (c,)
 
 

@@ -40,6 +40,9 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._capture_error: BaseException | None = None
         self._flushed: Callable[[float | None], bool] | None = None
+        self.delivered = False
+        """True once `result()` raised this save's error or `exception()` returned it: the store then does not
+        raise it again at the next call."""
 
     @property
     def staged(self) -> bool:
@@ -61,6 +64,7 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save not durable after {timeout} s; call result() again to keep waiting")
         if self._error is not None:
+            self.delivered = True
             if isinstance(self._error, DataStatesError):
                 raise self._error
             raise SaveFailedError(f"background save failed: {self._error!r}") from self._error
@@ -70,6 +74,7 @@ class SaveHandle:
     def exception(self, timeout: float | None = None) -> BaseException | None:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save not finished after {timeout} s")
+        self.delivered = True
         return self._error
 
     @property

@@ -137,6 +137,21 @@ def main() -> None:
         v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
         report(rank, {"rank": rank, "first": first, "second": v.id, "step": v.step,
                       "shards": [store.load(v.id, rank=r, keys=["shard"])["shard"][0].item() for r in range(size)]})
+    elif mode == "typo":
+        # Only rank 1 misspells a keyword of save (a TypeError, not one of ours): rank 0's step-1 plan met rank 1's
+        # step-2 one, and one version held two steps' shards. Then every rank passes replicated as a str.
+        state = {**replicated_state(1), "shard": shard(rank, 1)}
+        kw = {"mesage": "typo"} if rank == 1 else {}
+        firsts = []
+        for extra in (kw, {"replicated": "model"}):
+            try:
+                store.save(state, step=1, **{"replicated": ["model", "optim"], **extra})  # type: ignore[arg-type]
+                firsts.append("saved")
+            except (ds.DataStatesError, TypeError) as exc:
+                firsts.append(type(exc).__name__)
+        v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
+        report(rank, {"rank": rank, "firsts": firsts, "second": v.id, "step": v.step, "versions": len(store.find("")),
+                      "shards": [store.load(v.id, rank=r, keys=["shard"])["shard"][0].item() for r in range(size)]})
     elif mode == "badarg":
         # Only rank 1 passes an argument save_async refuses before the save's collectives (an optimizer= that is
         # none): rank 0 waited in the plan until the communicator's timeout. Every rank must refuse it.
