@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import datastates as ds
 from datastates.base.comm import SingleComm
@@ -97,6 +98,12 @@ def test_mpi_replicated_entries_are_written_once_spread_over_ranks_and_load_at_a
         assert v.world_size == 4 and sorted(v.manifests) == ["0", "1", "2", "3"] and v.replicated == ["model", "optim"]
         assert v.bytes_new == REPLICATED_BYTES + 4 * SHARD_BYTES
         assert s.fsck().ok
+        # An export at world size 1 held only the replicated entries, silently (a hunt): it takes a rank.
+        with pytest.raises(ds.InvalidArgumentError, match="saved by 4 ranks"):
+            ds.export(s, v, "torch", tmp_path / "all.pt")
+        assert not (tmp_path / "all.pt").exists()
+        got = torch.load(ds.export(s, v, "torch", tmp_path / "r2.pt", rank=2), weights_only=True)
+        assert sorted(got) == ["model", "optim", "shard"] and torch.equal(got["shard"], torch.full((1024,), 202.0))
     for n in (4, 2, 3):  # the same world size, then fewer ranks than saved
         _, loaded = mpirun(n, store, "load")
         assert len(loaded) == n

@@ -199,3 +199,23 @@ def test_cli_import_and_export(tmp_path: Path, capsys: pytest.CaptureFixture[str
     from safetensors.torch import load_file
 
     assert _same(load_file(str(tmp_path / "run.safetensors")), {f"model.{k}": t for k, t in _model_state(2).items()})
+
+
+def test_export_of_a_version_of_several_ranks_takes_a_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """export loaded a version of two ranks at world size 1, which gives only its replicated entries: the file
+    silently lacked every rank's own (a hunt). It now takes --rank, and refuses without one."""
+    store = tmp_path / "s"
+    with ds.Store.open(store) as s:
+        parts = {str(r): s.stage({"shard": torch.full((3,), float(r)), "rank": r}) for r in range(2)}
+        v = s.commit_staged(parts, world_size=2, branch="main")
+    out = tmp_path / "r.pt"
+    rc = cli(["--store", str(store), "export", "main", str(out), "--format", "torch"])
+    assert rc != 0 and not out.exists()
+    err = capsys.readouterr().err
+    assert "InvalidArgumentError" in err and f"version {v.short} was saved by 2 ranks" in err and "--rank R" in err
+    for r in range(2):
+        target = tmp_path / f"r{r}.pt"
+        assert cli(["--store", str(store), "export", "main", str(target), "--format", "torch",
+                         "--rank", str(r)]) == 0
+        got = torch.load(target, weights_only=True)
+        assert got["rank"] == r and torch.equal(got["shard"], torch.full((3,), float(r)))

@@ -25,6 +25,8 @@ def register(sub: Any) -> None:
     p.add_argument("--format", choices=FORMATS, required=True)
     p.add_argument("--allow-pickle", action="store_true",
                    help="export a version holding values saved with pickle (reading them runs code; trusted only)")
+    p.add_argument("--rank", type=int, default=None, metavar="R",
+                   help="of a version saved by several ranks, export rank R's entries (required there)")
     p.set_defaults(handler=_export)
 
 
@@ -39,5 +41,5 @@ def _import(store: Store, args: argparse.Namespace) -> int:
 
 
 def _export(store: Store, args: argparse.Namespace) -> int:
-    print(export(store, args.ref, args.format, args.out, allow_pickle=args.allow_pickle))
+    print(export(store, args.ref, args.format, args.out, allow_pickle=args.allow_pickle, rank=args.rank))
     return 0

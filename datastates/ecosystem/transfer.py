@@ -92,13 +92,21 @@ def import_checkpoints(store: Store, paths: Iterable[str | os.PathLike[str]] | s
     return report
 
 
-def export(store: Store, ref: Any, fmt: str, out: str | os.PathLike[str], *, allow_pickle: bool = False) -> Path:
+def export(store: Store, ref: Any, fmt: str, out: str | os.PathLike[str], *, allow_pickle: bool = False,
+           rank: int | None = None) -> Path:
     """Write version `ref` as `fmt` ("safetensors", "torch" or "dcp") at `out`; return the path.
     safetensors holds the tensors under their key paths (other values are left out); torch and dcp hold
-    the whole state. A version holding values saved with pickle is refused unless `allow_pickle` (CLI:
-    `--allow-pickle`): reading them runs code. Raises NotFoundError, InvalidArgumentError (unknown format,
-    existing target), UnsupportedValueError (pickled values, without `allow_pickle`)."""
+    the whole state. A version saved by several ranks (each rank's own entries, and replicated ones) is written
+    one rank at a time: `rank` (CLI: `--rank`) names which, and is required there (a world-size-1 load gives
+    only the replicated entries: the file would silently lack every rank's own). A version holding values saved
+    with pickle is refused unless `allow_pickle` (CLI: `--allow-pickle`): reading them runs code. Raises
+    NotFoundError (ref; a rank it was not saved by), InvalidArgumentError (unknown format, existing target, a
+    version of several ranks without `rank`), UnsupportedValueError (pickled values, without `allow_pickle`)."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     v = store.version(ref)
-    return write(store.load(v, allow_pickle=allow_pickle), fmt, out, version=v.id)
+    if rank is None and v.world_size > 1:
+        raise InvalidArgumentError(
+            f"version {v.short} was saved by {v.world_size} ranks, each with entries of its own; export one rank at "
+            f"a time: add --rank R on the command line, rank=R in Python (R in 0..{v.world_size - 1})")
+    return write(store.load(v, allow_pickle=allow_pickle, rank=rank), fmt, out, version=v.id)
