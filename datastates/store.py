@@ -112,6 +112,27 @@ def _open_in_turn(job: Comm, opening: Any, hot: str | os.PathLike[str] | None) -
     return out
 
 
+def _check_one_store(job: Comm, repo: Repository, path: Any) -> None:
+    """Refuse, on every rank, a job whose ranks opened different stores (a relative path from different working
+    directories, a "shared" path that is node-local): each rank would write its packs into its own, and rank 0
+    commit a version whose other ranks' chunks it does not hold. Stores are told apart by the creation time their
+    shared tier's FORMAT records; a rank whose shared tier is unreachable (hot only) is not compared. Collective."""
+    tier = repo.cold if repo.cold is not None else repo.tier
+    try:
+        info = tier.read_format() or {}
+    except (OSError, DataStatesError):
+        info = {}
+    mine = (info.get("created"), info.get("chunk_size")) if info.get("created") is not None else None
+    seen = job.allgather((mine, str(Path(path).expanduser().resolve())))
+    stores = {ident for ident, _ in seen if ident is not None}
+    if len(stores) > 1:
+        repo.close()
+        where = "; ".join(f"rank {r}: {p}" for r, (_, p) in enumerate(seen))
+        raise InvalidArgumentError(f"the ranks opened {len(stores)} different stores ({where}): a collective save "
+                                   "needs one store that every rank reaches; open the same shared directory (an "
+                                   "absolute path) on every rank")
+
+
 _NO_REF: Any = object()
 """`Store.annotate`'s version when none is given positionally."""
 
@@ -224,6 +245,8 @@ class Store(Queries):
                           hot_capacity=hot_capacity, flush=flush, promote=promote, read_only=read_only,
                           record_tiers=check_flag(record_tiers, "record_tiers"))
         repo, rebuild, cold_ok = opening() if job.size == 1 else _open_in_turn(job, opening, hot)
+        if job.size > 1:
+            _check_one_store(job, repo, path)
         store = cls(repo, pool_bytes=pool_bytes or default_pool_bytes(), zstd_level=zstd_level, workers=workers)
         if rebuild:
             from .maintenance.fsck import rebuild_catalog

@@ -190,6 +190,17 @@ def test_mpi_a_keyword_typo_on_one_rank_refuses_the_save_on_every_rank(tmp_path:
     assert all(r["step"] == 2 and r["versions"] == 1 and r["shards"] == [2.0, 102.0] for r in out)
 
 
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_ranks_that_opened_different_stores_are_refused_at_open(tmp_path: Path) -> None:
+    """Each rank saved into a store of its own and every rank reported success; the version was unreadable (a hunt)."""
+    _, out = mpirun(2, tmp_path / "store", "apart")
+    assert sorted(r["rank"] for r in out) == [0, 1]
+    assert all(r["outcome"].startswith("InvalidArgumentError: the ranks opened 2 different stores") for r in out)
+    assert all(f"rank {r}: {tmp_path / 'store'}-{r}" in out[0]["outcome"] for r in (0, 1))
+
+
 def _check_pipelined(out: list[dict[str, Any]], size: int) -> None:
     assert sorted(r["rank"] for r in out) == list(range(size))
     assert len({tuple(r["ids"]) for r in out}) == 1 and len(set(out[0]["ids"])) == 6

@@ -86,6 +86,17 @@ def main() -> None:
         os.environ["DATASTATES_NODE"] = node  # before the communicator reads it
         hot = os.environ["DIST_HOT"].replace("{node}", node) if os.environ.get("DIST_HOT") else None
     comm = comm_for(backend, sys.argv[4] if len(sys.argv) > 4 else None)
+    if mode == "apart":
+        # Each rank opens a store of its own (a relative path from different working directories): refused on
+        # every rank; before, each rank wrote its own packs and rank 0 committed a version it could not read.
+        r, _ = world_rank(backend)
+        try:
+            ds.Store.open(f"{path}-{r}", comm=comm)
+            outcome = "opened"
+        except ds.DataStatesError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        report(r, {"rank": r, "outcome": outcome})
+        return
     store = ds.Store.open(path, comm=comm, hot=hot, partner=os.environ.get("DIST_PARTNER") == "1",
                           create=mode != "load")
     rank, size = store.comm.rank, store.comm.size
