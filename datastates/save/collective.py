@@ -134,8 +134,15 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
     for i in dist.remote:
         chunks, stats = reports[dist.owners[i]]["rows"][str(i)]
         job.entries[i].chunks, job.entries[i].stats = list(chunks), dict(stats)
-    mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size, job.encoded)
-    tier.write_manifest(mid, mdata)
+    # A failure from here to the second exchange (the manifest's encode or write: a full disk) goes into that
+    # exchange, as one before the first does into the first: raised alone, it left the others waiting in it.
+    local: BaseException | None = None
+    mid, mdata = "", memoryview(b"")
+    try:
+        mid, mdata = mf.encode(job.tree, job.entries, job.chunk_size, job.encoded)
+        tier.write_manifest(mid, mdata)
+    except Exception as exc:
+        local = exc
     job.timings["rank_bytes_written"] = job.bytes_new  # what this rank wrote (the record sums every rank's)
     # the writer's rank: a rebuilt node gets back its ranks' packs and those it held as their partner
     packs = {w.id: {"size": w.size, "chunks": w.count, "tier": tier.name, "rank": comm.rank} for w in job.packs}
@@ -144,7 +151,13 @@ def make_visible_collective(job: SaveJob, dist: DistPlan, *, tier: Tier, refs: R
                              "packs": packs, "bytes_new": job.bytes_new, "chunks_new": len(job.new_chunks),
                              "bytes_total": sum(e.nbytes for i, e in enumerate(job.entries) if i not in dist.remote),
                              # every node's catalog needs every rank's manifest (loads at other world sizes)
-                             "mdata": bytes(mdata) if many_tiers else None})
+                             "mdata": bytes(mdata) if many_tiers else None,
+                             "failure": None if local is None else f"{type(local).__name__}: {local}"})
+    if local is not None:
+        raise local
+    failed = [f"rank {r}: {rep['failure']}" for r, rep in enumerate(phase1) if rep["failure"]]
+    if failed:
+        raise SaveFailedError(f"the collective save failed on {'; '.join(failed)}; nothing is visible")
     outcome: Any = None
     if comm.rank == 0:
         try:

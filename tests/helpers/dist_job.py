@@ -200,29 +200,36 @@ def main() -> None:
         from mpi4py import MPI
 
         MPI.COMM_WORLD.Abort(3)
-    elif mode == "failrank":
+    elif mode in ("failrank", "failmanifest"):
+        # Rank 1's disk fills up: while it writes its packs (before the commit's first exchange), or while it
+        # writes its manifest (between the commit's two exchanges: the others then waited for it forever).
         from datastates.objects.packs import PackWriter
+        from datastates.objects.tier import Tier
 
-        original_write = PackWriter.append_stored
+        owner, name = (PackWriter, "append_stored") if mode == "failrank" else (Tier, "write_manifest")
+        original = getattr(owner, name)
         if rank == 1:
-            def failing_write(self: PackWriter, *args: object, **kw: object) -> int:
+            def failing(self: object, *args: object, **kw: object) -> object:
                 raise OSError(28, "No space left on device (injected)")
 
-            PackWriter.append_stored = failing_write  # type: ignore[method-assign]
-        try:
-            store.save({**replicated_state(1), "shard": shard(rank, 1)}, step=1, replicated=["model", "optim"])
-            first = "saved"
-        except ds.DataStatesError as exc:
-            first = type(exc).__name__
-        PackWriter.append_stored = original_write  # type: ignore[method-assign]
-        try:
-            store.wait()  # a failed background save is reported once more, by the next call (as on one process)
-        except ds.SaveFailedError:
-            pass
+            setattr(owner, name, failing)
+        firsts = []
+        for how in ("save", "save_async"):
+            try:
+                state = {**replicated_state(1), "shard": shard(rank, 1)}
+                if how == "save":
+                    store.save(state, step=1, replicated=["model", "optim"])
+                else:
+                    store.save_async(state, step=1, replicated=["model", "optim"]).result()
+                firsts.append("saved")
+            except ds.DataStatesError as exc:
+                firsts.append(type(exc).__name__)
+        setattr(owner, name, original)
+        store.wait()  # each failure was heard of through its call: nothing more to report
         visible = len(store.find(""))
         v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
-        report(rank, {"rank": rank, "first": first, "visible_after_failure": visible, "second": v.id,
-                      "log": [x.step for x in store.log("main")]})
+        report(rank, {"rank": rank, "first": firsts[0], "firsts": firsts, "visible_after_failure": visible,
+                      "second": v.id, "log": [x.step for x in store.log("main")]})
     elif mode == "offhead":
         # A collective save whose explicit parents leave main's head reachable by no ref: rank 0's commit refuses
         # it under the ref lock, and every rank hears of it (no rank refuses at the call and leaves the others
