@@ -403,7 +403,7 @@ def test_a_hint_in_an_error_runs_as_given_with_the_same_store(
     for hint in hints:
         assert run(capsys, *shlex.split(hint)[1:])[0] == 0, hint
     monkeypatch.setenv("DATASTATES_STORE", str(path))  # the store the environment names: hints stay short
-    assert "`datastates log`" in run(capsys, "show", "nope")[2]
+    assert "`datastates find`" in run(capsys, "show", "nope")[2]
 
 
 def test_json_output_is_strict_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -563,7 +563,7 @@ def test_lineage_walks_end_at_a_parent_the_flush_policy_kept_off_cold(tmp_path: 
         assert fresh.ancestors("main") == []
         assert fresh.history("w").column("step").to_pylist() == [3]
         assert sorted(fresh.versions_table().column("step").to_pylist()) == [1, 3]
-        with pytest.raises(ds.NotFoundError, match=f"{off_cold[:12]} is not in this node's catalog: a parent the "
+        with pytest.raises(ds.NotFoundError, match=f"version {off_cold} is not in this node's catalog: a parent the "
                                                    "flush policy kept off the cold tier"):
             fresh.version("main~1")
     finally:
@@ -571,7 +571,7 @@ def test_lineage_walks_end_at_a_parent_the_flush_policy_kept_off_cold(tmp_path: 
     capsys.readouterr()
     assert cli_main(["log", "--store", str(tmp_path / "cold")]) == 0
     assert capsys.readouterr().out.splitlines()[-1] == (
-        f"(history goes on past {head[0].short}: its parent {off_cold[:12]} is not on this node; "
+        f"(history goes on past {head[0].short}: its parent {off_cold} is not on this node; "
         f"`datastates --store {tmp_path / 'cold'} fsck` says why)")
 
 
@@ -588,7 +588,7 @@ def test_a_ref_to_no_version_is_moved_aside_and_lost_annotation_files_are_writte
     s = open_store(cold, hot)
     try:
         rep = s.fsck()
-        assert any("branch 'ghost' on tier hot points at version 000000000000, which no tier holds" in p
+        assert any(f"branch 'ghost' on tier hot points at version {'0' * 64}, which no tier holds" in p
                    for p in rep.problems)
         assert any(f"annotations of version {ids[0][:12]} is gone from every tier" in p for p in rep.problems)
         rep = s.fsck(repair=True)
@@ -617,7 +617,7 @@ def test_a_record_lost_for_good_keeps_fsck_from_saying_ok(tmp_path: Path) -> Non
         assert list((cold / "quarantine" / "versions").rglob(f"{ids[1]}.json.*"))
         for _ in range(2):
             rep = s.fsck()
-            assert not rep.ok and any(f"version {ids[2][:12]} names parent {ids[1][:12]}, whose record" in p
+            assert not rep.ok and any(f"version {ids[2][:12]} names parent {ids[1]}, whose record" in p
                                       for p in rep.problems)
         # `log` ends at the lost parent (it failed there before the twenty-seventh session; fsck says why)
         assert [v.id for v in s.log()] == [ids[2]] and s.graph.absent_parents(ids[2]) == [ids[1]]
@@ -786,4 +786,65 @@ def test_log_first_parent_names_no_boundary_it_never_reached(tmp_path: Path,
     assert "history goes on" not in capsys.readouterr().out
     assert cli_main(["log", "--store", str(tmp_path / "s")]) == 0
     assert capsys.readouterr().out.splitlines()[-1].startswith(f"(history goes on past {m.short}: its parent "
-                                                               f"{b.id[:12]} is not on this node")
+                                                               f"{b.id} is not on this node")
+
+
+def flip_hex_digit(ref: Path, at: int = 20) -> str:
+    """Change one hex digit of the id in ref file `ref` (past the 12 a short id shows): still a well-formed id,
+    of no version. Returns the new id."""
+    vid = ref.read_text().strip()
+    bad = vid[:at] + ("0" if vid[at] != "0" else "1") + vid[at + 1:]
+    ref.write_text(bad + "\n")
+    return bad
+
+
+def test_a_hot_ref_naming_no_version_leaves_the_store_openable_and_is_restored_from_cold(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every open (fsck's too) failed in refresh's lineage walk with NotFoundError, whose hint ran the same
+    failing open; the messages printed a short id that was the prefix of the real head."""
+    cold, hot, ids = make(tmp_path, True)
+    assert hot is not None
+    ref = hot / "refs" / "heads" / "main"
+    bad = flip_hex_digit(ref)
+    s = open_store(cold, hot)
+    s.close()
+    assert cli_main(["fsck", "--store", str(cold)]) == 1
+    out = capsys.readouterr().out
+    assert (f"branch 'main' on tier hot points at version {bad}, which no tier holds; "
+            f"`datastates --store {cold} fsck --repair` restores it from tier cold") in out
+    assert cli_main(["fsck", "--repair", "--store", str(cold)]) == 0
+    out = capsys.readouterr().out
+    assert f"restored damaged branch 'main' on tier hot from tier cold (version {ids[2][:12]}" in out
+    assert ref.read_text() == ids[2] + "\n"
+    assert [p.read_text() for p in (hot / "quarantine" / "refs" / "heads").iterdir()] == [bad + "\n"]
+    assert cli_main(["fsck", "--store", str(cold)]) == 0
+    assert cli_main(["log", "--store", str(cold)]) == 0
+    assert capsys.readouterr().out.splitlines()[1].startswith(ids[2][:12])
+
+
+def test_a_quarantined_branch_stays_a_note_and_the_hints_after_it_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """After --repair moved `main` aside, `log` said to run `datastates log` (which failed the same way) and fsck
+    said ok with no word of the branch."""
+    cold, hot, ids = make(tmp_path, False)
+    flip_hex_digit(cold / "refs" / "heads" / "main")
+    assert cli_main(["fsck", "--repair", "--store", str(cold)]) == 0
+    capsys.readouterr()
+    assert cli_main(["log", "--store", str(cold)]) == 1
+    err = capsys.readouterr().err
+    assert f"`datastates --store {cold} find` lists every version" in err
+    assert cli_main(["find", "--store", str(cold)]) == 0
+    assert len([line for line in capsys.readouterr().out.splitlines() if line.startswith(tuple(
+        v[:12] for v in ids))]) == 3
+    assert cli_main(["fsck", "--store", str(cold)]) == 0
+    out = capsys.readouterr().out
+    hint = f"`datastates --store {cold} branch -f main {ids[2][:12]}` makes it again there"
+    assert "note:" in out and "branch 'main' on tier hot is in quarantine/" in out and hint in out
+    assert cli_main(["branch", "-f", "main", ids[2][:12], "--store", str(cold)]) == 0
+    capsys.readouterr()
+    s = open_store(cold, hot)
+    try:
+        rep = s.fsck()
+        assert rep.ok and not rep.notes and s.resolve("main") == ids[2]
+    finally:
+        s.close()

@@ -73,7 +73,7 @@ def _log(store: Store, args: argparse.Namespace) -> int:
     followed = (lambda v: v.parents[:1]) if args.first_parent else (lambda v: v.parents)
     absent = [(v, p) for v in versions for p in followed(v) if not graph.has(p)]
     for v, p in absent:  # where the walk ended early, as git marks a shallow clone's boundary
-        print(with_store(f"(history goes on past {v.short}: its parent {p[:12]} is not on this node; "
+        print(with_store(f"(history goes on past {v.short}: its parent {p} is not on this node; "
                          "`datastates fsck` says why)", args.store))
     return 0
 

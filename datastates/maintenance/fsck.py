@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +29,7 @@ from ..base.files import copy_file, replace, tmp_is_stale, write_new
 from ..base.progress import progress
 from ..errors import DataStatesError, IntegrityError
 from ..meta.catalog import CommitBatch
+from ..meta.refs import RefStore, ref_name
 from ..meta.versions import decode_annotations, encode_annotations, readable
 from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import list_packs, read_index
@@ -125,7 +127,7 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
     """Verify every chunk, manifest, record and ref of the store; see the module docstring."""
     store = as_repository(store)
     rep = FsckReport()
-    tier, cat = store.tier, store.catalog
+    tier = store.tier
     with tier.exclusive(reading=not (repair or rebuild)):
         if rebuild:
             n = rebuild_catalog(store)
@@ -141,35 +143,113 @@ def fsck(store: Repository, *, repair: bool = False, rebuild: bool = False) -> F
             rep.notes.append("unreferenced manifests and packs were not looked for: a version record or manifest "
                              "has no intact copy, so what it needs is unknown")
         _check_annotations(store, rep, repair)
-        for t in store.tiers:
-            refs = store.refs_on(t)
-            for kind in ("branch", "tag"):
-                for name, path, why in refs.damaged(kind):  # type: ignore[arg-type]
-                    rep.checked["refs"] = rep.checked.get("refs", 0) + 1
-                    if repair:
-                        moved = t.quarantine(path, f"{kind} {name!r}: ref file {why}")
-                        rep.repaired.append(f"moved damaged {kind} {name!r} on tier {t.name} to "
-                                            f"{moved.relative_to(t.root)}; recreate the ref")
-                    else:
-                        rep.problems.append(f"{kind} {name!r}: ref file {path} on tier {t.name} {why}")
-                for name, vid in refs.names(kind).items():  # type: ignore[arg-type]
-                    rep.checked["refs"] = rep.checked.get("refs", 0) + 1
-                    if cat.raw_record(vid) is not None or any(
-                            u.read_record(vid) is not None for u in store.tiers):
-                        continue
-                    # A well-formed id of no version (a flipped hex digit): as damaged as a garbage file, and
-                    # moved aside the same way (never rewritten: which version it meant is a guess).
-                    missing = f"version {vid[:12]}, which no tier holds"
-                    if repair:
-                        path = refs.path_of(kind, name)  # type: ignore[arg-type]
-                        moved = t.quarantine(path, f"points at missing version {vid}")
-                        rep.repaired.append(f"moved {kind} {name!r} on tier {t.name} (it pointed at {missing}) to "
-                                            f"{moved.relative_to(t.root)}; its reflog (Store.reflog({name!r}, "
-                                            f"{kind!r})) shows where it pointed before; recreate the ref")
-                    else:
-                        rep.problems.append(f"{kind} {name!r} on tier {t.name} points at {missing}; "
-                                            "`datastates fsck --repair` moves it to quarantine/")
+        _check_refs(store, rep, repair)
     return rep
+
+
+def _check_refs(store: Repository, rep: FsckReport, repair: bool) -> None:
+    """Every branch and tag file of every tier: one that does not hold a version id, or holds a well-formed id of
+    no version (a flipped hex digit), is damaged. With repair it is restored from another tier's copy when that
+    one is intact, names a version, and is where the damaged tier's own reflog says its ref was last set (two
+    records agreeing: no guess); else it is moved to quarantine/ (which version it meant would be a guess). A
+    ref in quarantine/ that was not made again stays a note, so it is not forgotten after the repair."""
+    cat = store.catalog
+
+    def exists(vid: str) -> bool:
+        return cat.raw_record(vid) is not None or any(u.read_record(vid) is not None for u in store.tiers)
+
+    for t in store.tiers:
+        refs = store.refs_on(t)
+        for kind in ("branch", "tag"):
+            bad = [(name, path, f"{kind} {name!r}: ref file {path} on tier {t.name} {why}", f"ref file {why}")
+                   for name, path, why in refs.damaged(kind)]  # type: ignore[arg-type]
+            named = refs.names(kind)  # type: ignore[arg-type]
+            rep.checked["refs"] = rep.checked.get("refs", 0) + len(named) + len(bad)
+            for name, vid in named.items():
+                if not exists(vid):
+                    # The whole id: a short one may be the prefix of a version that exists (`datastates show`).
+                    bad.append((name, refs.path_of(kind, name),  # type: ignore[arg-type]
+                                f"{kind} {name!r} on tier {t.name} points at version {vid}, which no tier holds",
+                                f"points at missing version {vid}"))
+            for name, path, what, why in bad:
+                source = _intact_ref_elsewhere(store, t, kind, name, exists)
+                if not repair:
+                    mend = (f"`datastates fsck --repair` restores it from tier {source[0]}" if source else
+                            "`datastates fsck --repair` moves it to quarantine/")
+                    rep.problems.append(f"{what}; {mend}")
+                    continue
+                moved = t.quarantine(path, f"{kind} {name!r}: {why}")
+                if source is not None:
+                    refs.set_if_equals(kind, name, None, source[1],  # type: ignore[arg-type]
+                                       f"fsck --repair: restored from tier {source[0]}")
+                    rep.repaired.append(f"restored damaged {kind} {name!r} on tier {t.name} from tier {source[0]} "
+                                        f"(version {source[1][:12]}, where its reflog says it was last set); the "
+                                        f"damaged file is in {moved.relative_to(t.root)}")
+                else:
+                    rep.repaired.append(f"moved damaged {kind} {name!r} on tier {t.name} ({why}) to "
+                                        f"{moved.relative_to(t.root)}; its reflog (Store.reflog({name!r}, "
+                                        f"{kind!r})) shows where it pointed before; recreate the ref")
+            if not repair:
+                _note_quarantined_refs(t, refs, kind, rep, exists)
+
+
+def _intact_ref_elsewhere(store: Repository, tier: Tier, kind: str, name: str,
+                          exists: Callable[[str], bool]) -> tuple[str, str] | None:
+    """(tier name, id) of an intact copy of ref `name` on a tier other than `tier`, naming a version that exists
+    and equal to where `tier`'s own reflog last set it; None when there is no such copy. A ref may differ
+    between tiers for good reasons (hot ahead of cold until the flusher catches up): the reflog decides."""
+    last = [e.get("new") for e in store.refs_on(tier).reflog(kind, name)]  # type: ignore[arg-type]
+    if not last or not isinstance(last[-1], str):
+        return None
+    for other in store.tiers:
+        if other is tier:
+            continue
+        try:
+            vid = store.refs_on(other).get(kind, name)  # type: ignore[arg-type]
+        except IntegrityError:
+            continue  # damaged there too
+        if vid is not None and vid == last[-1] and exists(vid):
+            return other.name, vid
+    return None
+
+
+def _note_quarantined_refs(tier: Tier, refs: RefStore, kind: str, rep: FsckReport,
+                           exists: Callable[[str], bool]) -> None:
+    """A note for each ref of `kind` that fsck --repair moved to quarantine/ on `tier` and nobody made again:
+    after the repair the store is consistent, but the ref a person relied on (`main`) is gone from every
+    listing, and `log` fails on it."""
+    report = tier.root / "quarantine" / "report.jsonl"
+    prefix = f"refs/{'heads' if kind == 'branch' else 'tags'}/"
+    try:
+        lines = report.read_bytes().splitlines()
+    except OSError:
+        return
+    seen: set[str] = set()
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        f = entry.get("file") if isinstance(entry, dict) else None
+        if not isinstance(f, str) or not f.startswith(prefix) or f in seen:
+            continue
+        seen.add(f)
+        path = tier.root / f
+        if path.exists():
+            continue  # made again since
+        name = ref_name(path.name)
+        gone = f"{kind} {name!r} on tier {tier.name} is in quarantine/ ({entry.get('moved_to')}) and was not made again"
+        last = [e.get("new") for e in refs.reflog(kind, name)]  # type: ignore[arg-type]
+        there = last[-1] if last and isinstance(last[-1], str) and exists(last[-1]) else None
+        if there is None:
+            rep.notes.append(f"{gone}; its reflog (Store.reflog({name!r}, {kind!r})) shows where it pointed: recreate "
+                             f"it with Store.{kind}({name!r}, ...)")
+        elif kind == "branch":
+            rep.notes.append(f"{gone}; its reflog says it was last set to version {there[:12]}: "
+                             f"`datastates branch -f {name} {there[:12]}` makes it again there")
+        else:
+            rep.notes.append(f"{gone}; its reflog says it was last set to version {there[:12]}: "
+                             f"Store.tag({name!r}, {there[:12]!r}) makes it again there")
 
 
 def _check_leftovers(store: Repository, rep: FsckReport, repair: bool) -> None:
@@ -373,7 +453,7 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool, unindexed: 
                 # Its record is lost or in quarantine/ (no intact copy anywhere): the lineage walks (`log`)
                 # stop here, and no repair can bring it back; say so on every run, not only the first. Unless the
                 # flush policy leaves versions off cold: then it may be on the hot tier of the node that saved it.
-                where = (f"version {vid[:12]} names parent {parent[:12]}, whose record no tier or catalog holds "
+                where = (f"version {vid[:12]} names parent {parent}, whose record no tier or catalog holds "
                          f"here")
                 if skips_versions:
                     rep.notes.append(f"{where}: the flush policy ({store.tiering.flush}) leaves versions off cold, "
@@ -399,7 +479,7 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool, unindexed: 
                 if not pruned:
                     complete = False
                     if not mbad:
-                        rep.problems.append(f"version {vid[:12]}: manifest {mid[:12]} is missing from every tier")
+                        rep.problems.append(f"version {vid[:12]}: manifest {mid} is missing from every tier")
                 continue
             try:
                 m = Manifest(mid, mgood)
@@ -421,7 +501,7 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool, unindexed: 
                         lost_packs.add(unindexed[cid])
                     elif not pruned:
                         complete = False
-                        rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()[:16]} of {r['key']!r} is missing")
+                        rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()} of {r['key']!r} is missing")
         needs.manifests.update(mids)
         if indexed is not None or complete:  # (never committed and incomplete: debris, see below)
             for pack in sorted(lost_packs):

@@ -59,6 +59,11 @@ def refresh(repo: Repository) -> dict[str, int]:
                     continue  # a damaged hot ref: fsck reports it, --repair moves it aside; never overwrite it here
                 if catalog.record(cid) is None or mine == cid:
                     continue
+                if mine is not None and catalog.raw_record(mine) is None:
+                    # A hot ref naming no version this node knows (a flipped hex digit): as damaged as a garbage
+                    # ref file, so left alone the same way; the lineage walk below would raise NotFoundError
+                    # and fail every open, fsck's included.
+                    continue
                 if mine is None or (kind == "branch" and (
                         is_ancestor(repo.graph, mine, cid)
                         or flushed_forward(repo.cold_refs.reflog("branch", name), mine, cid))):

@@ -95,8 +95,9 @@ def _known_parents(graph: CatalogGraph, vid: str) -> Sequence[str]:
 
 
 def missing_version(vid: str) -> NotFoundError:
-    """The error for a version id this catalog lacks (a ref or a record names it)."""
-    return NotFoundError(f"version {vid[:12]} is not in this node's catalog: a parent the flush policy kept off the "
+    """The error for a version id this catalog lacks (a ref or a record names it). The whole id: a short one may be
+    the prefix of a version that does exist (`datastates show` would find that one)."""
+    return NotFoundError(f"version {vid} is not in this node's catalog: a parent the flush policy kept off the "
                          "cold tier (it is on the hot tier of the node that saved it), a record lost, or one not "
                          "indexed yet; `datastates fsck` says which, and `datastates fsck --repair` indexes a "
                          "record file that is there")

@@ -72,6 +72,11 @@ def _decode(fname: str) -> str:
     return fname.replace("%2F", "/").replace("%25", "%")
 
 
+def ref_name(fname: str) -> str:
+    """The ref name a file under refs/heads or refs/tags (or its copy in quarantine/) is named for."""
+    return _decode(fname)
+
+
 class RefStore:
     """Branches and tags of one tier directory."""
 

@@ -58,7 +58,7 @@ class DictGraph:
         ps = tuple(parents)
         for p in ps:
             if p not in self._parents:
-                raise NotFoundError(f"parent {p[:12]} of version {vid[:12]} is not in the graph; add it first")
+                raise NotFoundError(f"parent {p} of version {vid[:12]} is not in the graph; add it first")
         self._parents[vid] = ps
         self._created[vid] = float(created)
         self._children[vid] = []
@@ -68,7 +68,7 @@ class DictGraph:
         for p in dict.fromkeys(parents):  # a repeated parent is still one child edge
             kids = self._children.get(p)
             if kids is None:
-                raise NotFoundError(f"parent {p[:12]} of version {vid[:12]} is not in the graph")
+                raise NotFoundError(f"parent {p} of version {vid[:12]} is not in the graph")
             kids.append(vid)
 
     def __contains__(self, vid: object) -> bool:
@@ -78,7 +78,7 @@ class DictGraph:
         return len(self._parents)
 
     def _missing(self, vid: str) -> NotFoundError:
-        return NotFoundError(f"version {vid[:12]} is not in the graph")
+        return NotFoundError(f"version {vid} is not in the graph")
 
     def parents(self, vid: str) -> Sequence[str]:
         """The parent ids, first parent first. Raises NotFoundError for an unknown id."""

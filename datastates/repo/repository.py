@@ -219,9 +219,11 @@ class Repository:
         if self.catalog.version_count() == 0:  # pointing at `datastates log` would only repeat the failure
             raise NotFoundError(f"ref {shown(ref)} names nothing: the store has no versions yet; save one first "
                                 "(Store.save in Python)")
+        # Not `datastates log`: it starts at main, which may be the very ref missing (fsck --repair moves a
+        # damaged one to quarantine/), and would fail the same way.
         raise NotFoundError(
-            f"ref {shown(ref)} is not a branch, tag or version id; `datastates log` lists versions, "
-            "`datastates branch` the branches, `datastates tag` the tags"
+            f"ref {shown(ref)} is not a branch, tag or version id; `datastates find` lists every version, "
+            "`datastates branch` the branches, `datastates tag` the tags, `datastates fsck` damaged ones"
         )
 
     def branches(self) -> dict[str, str]:
