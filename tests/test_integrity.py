@@ -848,3 +848,102 @@ def test_a_quarantined_branch_stays_a_note_and_the_hints_after_it_work(
         assert rep.ok and not rep.notes and s.resolve("main") == ids[2]
     finally:
         s.close()
+
+
+def damage_catalog_value(cat_dir: Path, table: str, key: bytes | None = None, at: int = 0) -> bytes:
+    """Flip one bit of byte `at` of the value of `key` (the first key when None) in catalog table `table`;
+    return the key."""
+    c = Catalog(cat_dir)
+    try:
+        with c.env.begin(write=True, db=c._db[table]) as txn:
+            if key is None:
+                key = bytes(next(iter(txn.cursor().iternext(values=False))))
+            raw = bytearray(txn.get(key))
+            raw[at] ^= 0x01
+            txn.put(key, bytes(raw))
+    finally:
+        c.close()
+    return key
+
+
+@TIERED
+def test_a_damaged_chunk_location_in_the_catalog_is_found_and_written_again_from_the_pack(
+        tmp_path: Path, tiered: bool) -> None:
+    """fsck and fsck --repair said ok while every load of the chunk said the pack was corrupt: fsck never
+    compared the catalog's locations with the packs' own indexes. Offset bytes start at 16 (after the pack id)."""
+    cold, hot, ids = make(tmp_path, tiered)
+    s = open_store(cold, hot)
+    cid = s.catalog.iter_chunks().__next__()[0]
+    s.close()
+    damage_catalog_value((hot or cold) / "catalog", "chunks", cid, at=16)
+    before = loads(cold, hot, ids)
+    assert not all(before.values())
+    s = open_store(cold, hot)
+    try:
+        rep = s.fsck()
+        wrong = [p for p in rep.problems if f"the catalog locates chunk {cid.hex()} in pack" in p]
+        assert len(wrong) == 1 and "a damaged catalog entry" in wrong[0] and "`datastates fsck --repair`" in wrong[0]
+        rep = s.fsck(repair=True)
+        assert any(f"wrote the catalog's location of chunk {cid.hex()} again" in r for r in rep.repaired)
+        assert s.fsck().ok
+    finally:
+        s.close()
+    assert all(loads(cold, hot, ids).values())
+
+
+@TIERED
+def test_a_damaged_pack_entry_in_the_catalog_is_a_report_not_a_crash(
+        tmp_path: Path, tiered: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    """fsck, fsck --repair and gc ended in a raw json.JSONDecodeError from Catalog.packs."""
+    cold, hot, ids = make(tmp_path, tiered)
+    pack = damage_catalog_value((hot or cold) / "catalog", "packs", at=1).hex()
+    s = open_store(cold, hot)
+    try:
+        with pytest.raises(CatalogDamagedError, match=f"the entry of pack {pack} is damaged"):
+            s.catalog.packs()
+        rep = s.fsck()
+        assert [p for p in rep.problems if f"the entry of pack {pack} is damaged" in p and "fsck --repair" in p]
+        assert s.gc(dry_run=True) is not None  # gc needs the packs' ids only
+    finally:
+        s.close()
+    assert cli_main(["fsck", "--repair", "--store", str(cold)]) == 0
+    assert f"wrote the damaged catalog entry of pack {pack} again from its file" in capsys.readouterr().out
+    s = open_store(cold, hot)
+    try:
+        info = s.catalog.packs()[pack]
+        assert info["chunks"] >= 1 and info["size"] > 0 and s.fsck().ok
+    finally:
+        s.close()
+    assert all(loads(cold, hot, ids).values())
+
+
+@TIERED
+def test_a_damaged_extra_entry_in_the_catalog_is_a_typed_error_and_its_hint_mends_it(tmp_path: Path,
+                                                                                      tiered: bool) -> None:
+    """A flipped byte of a version's `extra` JSON made its load (a tiered store's open: the flusher reads every
+    extra) raise a raw json.JSONDecodeError."""
+    cold, hot, ids = make(tmp_path, tiered)
+    damage_catalog_value((hot or cold) / "catalog", "extra" if tiered else "annotations",
+                         bytes.fromhex(ids[1] if tiered else ids[0]), at=0)
+    table, vid = ("extra", ids[1]) if tiered else ("annotations", ids[0])
+    hint = f"the {table} entry of version {vid} is damaged"
+    if tiered:  # the open reads it: the CLI's fsck --rebuild, as the hint says, moves the catalog aside first
+        with pytest.raises(CatalogDamagedError, match=hint):
+            open_store(cold, hot)
+    else:
+        s = open_store(cold, hot)
+        try:
+            with pytest.raises(CatalogDamagedError, match=hint) as ei:
+                s.version(vid)
+            assert f"`datastates --store {cold} fsck --rebuild`" in str(ei.value)
+            rep = s.fsck()
+            assert not rep.ok and any(hint in p and "fsck --rebuild" in p for p in rep.problems)
+        finally:
+            s.close()
+    assert cli_main(["fsck", "--rebuild", "--store", str(cold)]) == 0
+    assert all(loads(cold, hot, ids).values())
+    s = open_store(cold, hot)
+    try:
+        assert s.version(ids[0]).annotations == {"note": "first"} and s.fsck().ok
+    finally:
+        s.close()

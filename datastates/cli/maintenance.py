@@ -63,7 +63,7 @@ def _fsck_standalone(args: argparse.Namespace) -> int:
         store = Store.open(args.store, create=False, hot=getattr(args, "hot", None),
                            record_tiers=False)
     except CatalogDamagedError as exc:
-        if not args.repair:
+        if not (args.repair or args.rebuild):  # --rebuild too: the hint of a damaged catalog value names it
             raise
         moved = quarantine_catalog(args.store, getattr(args, "hot", None))
         print(f"repaired: {exc}; moved it to {moved} and rebuilt it from the version records")

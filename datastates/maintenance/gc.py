@@ -180,7 +180,7 @@ def gc(store: Repository, dry_run: bool = False, repack_threshold: float = 0.5,
             indexed[loc.pack] = indexed.get(loc.pack, 0) + 1
             if cid in live:
                 by_pack.setdefault(loc.pack, []).append((cid, loc))
-        known = set(cat.packs()) | set(by_pack)
+        known = set(cat.pack_ids()) | set(by_pack)
         dead: list[tuple[str, int, bool]] = []  # (pack, bytes, whether the catalog forgets it)
         sparse: list[_Sparse] = []
         skipped: list[str] = []

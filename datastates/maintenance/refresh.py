@@ -23,7 +23,7 @@ def refresh(repo: Repository) -> dict[str, int]:
     cold, hot, catalog = repo.cold, repo.hot, repo.catalog
     if cold is None or repo.cold_refs is None or not (cold.root / "FORMAT").is_file():
         return counts
-    known = set(catalog.packs())
+    known = set(catalog.pack_ids())
     on_cold = {p.name.removesuffix(".pack"): p for p in list_packs(cold.root / "packs")}
     for pack in known - on_cold.keys():  # collected on cold by some host's gc, no copy on hot: forget it
         if not hot.pack_path(pack).exists():

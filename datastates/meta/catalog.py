@@ -339,8 +339,29 @@ class Catalog:
                 yield bytes(k), _unpack_loc(v)
 
     def packs(self) -> dict[str, dict[str, Any]]:
+        """Every indexed pack -> its entry ({"size", "chunks", "tier"}). Raises CatalogDamagedError naming the
+        pack when an entry is not a JSON object (a damaged byte): `pack_entries` gives the others."""
+        out: dict[str, dict[str, Any]] = {}
+        for pack, info in self.pack_entries().items():
+            if info is None:
+                raise CatalogDamagedError(self.damaged_pack_message(pack))
+            out[pack] = info
+        return out
+
+    def pack_ids(self) -> list[str]:
+        """Every indexed pack, its entry not read (what refresh and gc need: a damaged entry stops neither)."""
         with self._begin(db=self._db["packs"]) as txn:
-            return {bytes(k).hex(): json.loads(v) for k, v in txn.cursor()}
+            return [bytes(k).hex() for k in txn.cursor().iternext(values=False)]
+
+    def pack_entries(self) -> dict[str, dict[str, Any] | None]:
+        """Every indexed pack -> its entry, None where the entry is damaged (fsck reports and mends those)."""
+        with self._begin(db=self._db["packs"]) as txn:
+            return {bytes(k).hex(): _json_object(v) for k, v in txn.cursor()}
+
+    def damaged_pack_message(self, pack: str) -> str:
+        """What a damaged `packs` entry is reported as: the catalog, the pack, and the commands that mend it."""
+        return (f"catalog {self.path / 'data.mdb'}: the entry of pack {pack} is damaged (not a JSON object); run "
+                "`datastates fsck --repair` to write it again from the pack file (or `datastates fsck --rebuild`)")
 
     def chunk_drops(self) -> bytes:
         """A token that changes whenever chunk locations leave the index (`drop_pack`, `clear`): whoever read
@@ -429,7 +450,8 @@ class Catalog:
             raw = bytes(raw)
             extra = txn.get(key, db=self._db["extra"])
             notes = txn.get(key, db=self._db["annotations"]) if annotations else None
-            extra_d, notes_d = _json_dict(extra), _json_dict(notes)
+            extra_d = self._json_dict(extra, "extra", vid)
+            notes_d = self._json_dict(notes, "annotations", vid)
         return self._verified(vid, raw), extra_d, notes_d  # outside the transaction: a repair writes
 
     def raw_record(self, vid: str) -> bytes | None:
@@ -514,7 +536,7 @@ class Catalog:
 
     def extra(self, vid: str) -> dict[str, Any]:
         with self._begin(db=self._db["extra"]) as txn:
-            return _json_dict(txn.get(bytes.fromhex(vid)))
+            return self._json_dict(txn.get(bytes.fromhex(vid)), "extra", vid)
 
     def set_extra(self, vid: str, extra: dict[str, Any]) -> None:
         with self._begin(write=True, db=self._db["extra"]) as txn:
@@ -527,7 +549,7 @@ class Catalog:
         key = bytes.fromhex(vid)
         with self._begin(write=True) as txn:
             raw = txn.get(key, db=self._db["extra"])
-            extra = _json_dict(raw)
+            extra = self._json_dict(raw, "extra", vid)
             if only_if_missing is not None and extra.get(only_if_missing):
                 return extra
             extra.update(set_ or {})
@@ -551,11 +573,11 @@ class Catalog:
     # annotations ------------------------------------------------------------
     def annotations(self, vid: str) -> dict[str, Any]:
         with self._begin(db=self._db["annotations"]) as txn:
-            return _json_dict(txn.get(bytes.fromhex(vid)))
+            return self._json_dict(txn.get(bytes.fromhex(vid)), "annotations", vid)
 
     def all_annotations(self) -> dict[str, dict[str, Any]]:
         with self._begin(db=self._db["annotations"]) as txn:
-            return {bytes(k).hex(): json.loads(v) for k, v in txn.cursor()}
+            return {bytes(k).hex(): self._json_dict(v, "annotations", bytes(k).hex()) for k, v in txn.cursor()}
 
     def set_annotations(self, vid: str, values: dict[str, Any]) -> None:
         with self._begin(write=True) as txn:
@@ -582,6 +604,20 @@ class Catalog:
         parents = tuple(raw[i:i + 32].hex() for i in range(_CREATED.size, len(raw), 32))
         return parents, _CREATED.unpack_from(raw)[0]
 
+    def _json_dict(self, raw: bytes | None, table: str, vid: str) -> dict[str, Any]:
+        """A stored JSON object (a version's extra, its annotations) as a dict; {} when nothing is stored. Raises
+        CatalogDamagedError naming the catalog, the table and the version when it is not one (a damaged byte)."""
+        if raw is None:
+            return {}
+        got = _json_object(raw)
+        if got is None:
+            # The files hold the truth (annotation files, .pruned markers, which tier has the record): a rebuild
+            # derives both tables from them.
+            raise CatalogDamagedError(
+                f"catalog {self.path / 'data.mdb'}: the {table} entry of version {vid} is damaged (not a JSON "
+                "object); run `datastates fsck --rebuild` to rebuild the catalog from the files")
+        return got
+
     def drop_version(self, vid: str, parents: list[str]) -> None:
         key = bytes.fromhex(vid)
         with self._begin(write=True) as txn:
@@ -600,6 +636,10 @@ class Catalog:
             self._dropped_chunks(txn)
 
 
-def _json_dict(raw: bytes | None) -> dict[str, Any]:
-    """A stored JSON object (a version's extra, its annotations) as a dict; {} when nothing is stored."""
-    return {} if raw is None else dict(json.loads(raw))
+def _json_object(raw: bytes) -> dict[str, Any] | None:
+    """The JSON object a catalog value holds, None when it holds none (a damaged byte)."""
+    try:
+        got = json.loads(bytes(raw))
+    except ValueError:  # (UnicodeDecodeError is one)
+        return None
+    return got if isinstance(got, dict) else None

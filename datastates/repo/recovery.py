@@ -24,6 +24,7 @@ import json
 import logging
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from ..base.comm import Comm, exchange_files
 from ..errors import InvalidArgumentError
@@ -121,7 +122,7 @@ def _pack_writers(hot: Path) -> dict[str, int | None]:
     env = lmdb.open(str(hot / "catalog"), readonly=True, lock=False, subdir=True, max_dbs=64)
     try:
         with env.begin(db=env.open_db(b"packs", create=False)) as txn:
-            info = {bytes(k).hex(): json.loads(v) for k, v in txn.cursor()}
+            info = {bytes(k).hex(): _entry(v) for k, v in txn.cursor()}
     finally:
         env.close()
     out: dict[str, int | None] = {}
@@ -129,6 +130,15 @@ def _pack_writers(hot: Path) -> dict[str, int | None]:
         writer = info.get(pack, {}).get("rank")
         out[pack] = writer if isinstance(writer, int) else None
     return out
+
+
+def _entry(raw: bytes) -> dict[str, Any]:
+    """A `packs` entry, {} when damaged: its writer is then unknown, as for a pack indexed without one."""
+    try:
+        got = json.loads(bytes(raw))
+    except ValueError:
+        return {}
+    return got if isinstance(got, dict) else {}
 
 
 def _tier_files(hot: Path, snap: Path) -> list[tuple[str, Path]]:
