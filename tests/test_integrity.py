@@ -947,3 +947,32 @@ def test_a_damaged_extra_entry_in_the_catalog_is_a_typed_error_and_its_hint_mend
         assert s.version(ids[0]).annotations == {"note": "first"} and s.fsck().ok
     finally:
         s.close()
+
+
+def test_a_damaged_hot_format_names_a_fix_that_works(tmp_path: Path) -> None:
+    """The hint said to restore hot's FORMAT from the other tier, but the copy was then refused as a swapped cold
+    tier (cold's FORMAT says "tier": "cold"), and it suggested chunk_size 16777216 for a store made with 4096."""
+    cold, hot, ids = make(tmp_path, True)
+    assert hot is not None
+    fmt = hot / "FORMAT"
+    text = fmt.read_text()
+    fmt.write_text(text.replace('"chunk_size": 4096', '"chunk_size": 4097'))  # another valid-looking size
+    with pytest.raises(StoreFormatError) as ei:
+        open_store(cold, hot)
+    msg = str(ei.value)
+    assert "does not match its checksum" in msg and "16777216" not in msg and "chunk_size, 4096" in msg
+    cp = f"cp {cold / 'FORMAT'} {fmt}"
+    assert cp in msg
+    subprocess.run(cp.split(), check=True)  # what the message says, as given
+    assert all(loads(cold, hot, ids).values())
+    info = json.loads(fmt.read_text())
+    assert "tier" not in info and info["chunk_size"] == 4096  # written again as a hot tier's
+    s = open_store(cold, hot)
+    try:
+        assert s.fsck().ok
+    finally:
+        s.close()
+    # A real swap is still refused: the hot directory's FORMAT says cold and the cold one's does not.
+    assert json.loads((cold / "FORMAT").read_text()).get("tier") == "cold"
+    with pytest.raises(ds.DataStatesError, match="were the two swapped"):
+        ds.Store.open(hot, hot=cold, create=False)

@@ -41,6 +41,16 @@ def _format_sum(info: dict[str, object]) -> str:
     return blake3.blake3(json.dumps(info, sort_keys=True).encode()).hexdigest()
 
 
+class DamagedFormatError(StoreFormatError):
+    """A FORMAT file that does not parse or does not match its checksum (`Tier.read_format`): the opening of a
+    two-tier store words what to do with the other tier's FORMAT at hand."""
+
+    def __init__(self, message: str, why: str) -> None:
+        super().__init__(message)
+        self.why = why
+        """What is wrong with the file, without what to do about it."""
+
+
 def _format_bytes(info: dict[str, object]) -> bytes:
     plain = {k: v for k, v in info.items() if k != FORMAT_SUM}
     return json.dumps(plain | {FORMAT_SUM: _format_sum(plain)}, sort_keys=True).encode()
@@ -88,7 +98,8 @@ class Tier:
             info = json.loads(f.read_text())
             fmt = int(info["format"])
         except (ValueError, KeyError, TypeError) as exc:
-            raise StoreFormatError(f"{f} is damaged ({exc}); restore it from another tier or a backup") from exc
+            raise DamagedFormatError(f"{f} is damaged ({exc}); restore it from another tier or a backup",
+                                     f"does not parse ({exc})") from exc
         if fmt > FORMAT:
             raise StoreFormatError(
                 f"store {self.root} has format {fmt}; this datastates reads up to format {FORMAT}: upgrade datastates"
@@ -99,15 +110,19 @@ class Tier:
         if stored is not None and stored not in (_format_sum(info),
                                                  _format_sum({k: v for k, v in info.items() if k != "tier"})):
             # A flipped digit of chunk_size parsed as another valid size: without the sum it went unnoticed.
-            raise StoreFormatError(
+            raise DamagedFormatError(
                 f"{f} does not match its checksum (a byte of it changed): restore it from the other tier or a "
                 "backup, or write it again as docs/format.md section 2 shows, with the chunk_size this store was "
-                "made with (16777216 unless chosen)")
+                "made with (16777216 unless chosen)", "does not match its checksum (a byte of it changed)")
         return dict(info)
 
     def create(self, settings: dict[str, object]) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         write_new(self.root / "FORMAT", _format_bytes({"format": FORMAT, "created": time.time(), **settings}))
+
+    def write_format(self, info: dict[str, object]) -> None:
+        """Replace FORMAT by `info` (its checksum added), atomically."""
+        replace(self.root / "FORMAT", _format_bytes(info))
 
     def mark_cold(self, info: dict[str, object]) -> None:
         """Record in FORMAT that this directory is a cold tier (`"tier": "cold"`), so that an open without its

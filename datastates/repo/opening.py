@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 from pathlib import Path
 
 from ..base import config as tier_config
@@ -13,7 +14,7 @@ from ..errors import InvalidArgumentError, NotFoundError, ReadOnlyStoreError, St
 from ..meta.catalog import Catalog, opened_read_only
 from ..objects.chunks import DEFAULT_CHUNK_SIZE
 from ..objects.object_store import ObjectStore
-from ..objects.tier import Tier
+from ..objects.tier import DamagedFormatError, Tier
 from .repository import Repository
 
 log = logging.getLogger("datastates")
@@ -104,6 +105,8 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     cold_tier = Tier(root, "cold", shared=True)
     try:
         hot_info = hot_tier.read_format(beside_cold=True)
+    except DamagedFormatError as exc:
+        raise _damaged_hot_format(exc, hot_tier, cold_tier) from exc
     except PermissionError as exc:  # another user's node-local directory
         raise ReadOnlyStoreError(
             f"hot tier {cfg.hot} of store {root} is not readable by this user ({exc.strerror}): read the store "
@@ -122,6 +125,16 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         cold_ok = False
         log.warning("cold tier %s holds no store (no FORMAT file) while hot tier %s does: taken as not mounted; "
                     "saves stay on hot until it is back", root, cfg.hot)
+    if hot_info is not None and hot_info.get("tier") == "cold" and hot_info == cold_info:
+        # Byte for byte cold's own FORMAT (the same "created"): a copy, as the hint for a damaged hot FORMAT
+        # says to make, not a swap (swapped, the hot directory's FORMAT says cold and the cold one's does not).
+        # Taken as the hot tier's, and written again without the cold mark when this open may write.
+        hot_info = {k: v for k, v in hot_info.items() if k != "tier"}
+        if not read_only:
+            try:
+                hot_tier.write_format(hot_info)
+            except OSError as exc:
+                log.warning("could not write %s/FORMAT without its cold mark (%s)", cfg.hot, exc)
     if hot_info is not None and hot_info.get("tier") == "cold":
         raise InvalidArgumentError(
             f"hot tier {cfg.hot} is the cold tier of a store (its FORMAT says so): were the two swapped? Open "
@@ -201,6 +214,22 @@ def _creating(tier: Tier, settings: dict[str, object], what: str) -> None:
         raise ReadOnlyStoreError(
             f"cannot create the {what} at {tier.root}: {exc.strerror} ({exc.filename}); give a directory this "
             "user may write to") from exc
+
+
+def _damaged_hot_format(exc: DamagedFormatError, hot: Tier, cold: Tier) -> StoreFormatError:
+    """The error for a damaged hot FORMAT, naming the fix that works when cold's FORMAT is readable: copying it
+    (the open takes an exact copy of cold's as the hot tier's), and the store's chunk_size from it."""
+    try:
+        info = cold.read_format()
+    except (OSError, StoreFormatError):
+        info = None
+    if info is None:
+        return exc
+    return StoreFormatError(
+        f"{hot.root / 'FORMAT'} (the hot tier's) {exc.why}. The cold tier's is intact: copy it, "
+        f"cp {shlex.quote(str(cold.root / 'FORMAT'))} {shlex.quote(str(hot.root / 'FORMAT'))} (an exact copy is "
+        f"taken as the hot tier's), or write it again as docs/format.md section 2 shows with this store's "
+        f"chunk_size, {info.get('chunk_size', DEFAULT_CHUNK_SIZE)}, and no \"tier\" key")
 
 
 def quarantine_catalog(path: str | os.PathLike[str], hot: str | os.PathLike[str] | None = None) -> Path:
