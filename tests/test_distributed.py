@@ -201,6 +201,15 @@ def test_mpi_ranks_that_opened_different_stores_are_refused_at_open(tmp_path: Pa
     assert all(f"rank {r}: {tmp_path / 'store'}-{r}" in out[0]["outcome"] for r in (0, 1))
 
 
+@pytest.mark.timeout(600)
+def test_torch_gloo_a_rank_that_left_the_job_is_a_save_failed_error(tmp_path: Path) -> None:
+    """gloo's 'Connection closed by peer' reached the caller as torch's RuntimeError, not a DataStatesError."""
+    out = torchrun(2, tmp_path / "store", "gone", tmp_path / "init", env={"DATASTATES_COMM_TIMEOUT": "60"})
+    assert [r["rank"] for r in out] == [0]
+    assert out[0]["outcome"].startswith("SaveFailedError: the job's"), out
+    assert "a rank of the job left it" in out[0]["outcome"]
+
+
 def _check_pipelined(out: list[dict[str, Any]], size: int) -> None:
     assert sorted(r["rank"] for r in out) == list(range(size))
     assert len({tuple(r["ids"]) for r in out}) == 1 and len(set(out[0]["ids"])) == 6

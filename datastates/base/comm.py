@@ -27,7 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import CommTimeoutError, InvalidArgumentError
+from ..errors import CommTimeoutError, InvalidArgumentError, SaveFailedError
 from .files import FileSink
 
 DEFAULT_TIMEOUT = 1800.0
@@ -204,7 +204,11 @@ class TorchComm:
         except RuntimeError as exc:
             if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
                 raise _timed_out(what, self.timeout) from exc
-            raise
+            # gloo's own failure (a peer's connection closed: that rank exited or crashed), raised as torch's
+            # RuntimeError: what every store call raises instead, and what to do.
+            raise SaveFailedError(f"the job's {what} failed ({exc}): a rank of the job left it (exited or crashed); "
+                                  "nothing of this save is visible and the communicator is unusable: end the job and "
+                                  "restart it") from exc
 
     def allgather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.size

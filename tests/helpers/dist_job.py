@@ -163,6 +163,19 @@ def main() -> None:
         v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
         report(rank, {"rank": rank, "firsts": firsts, "second": v.id, "step": v.step, "versions": len(store.find("")),
                       "shards": [store.load(v.id, rank=r, keys=["shard"])["shard"][0].item() for r in range(size)]})
+    elif mode == "gone":
+        # Rank 1 leaves the job (exits) once the store is open; over gloo rank 0's save met a closed connection
+        # and raised torch's RuntimeError, not one of ours.
+        if rank == 1:
+            store.close()
+            os._exit(0)
+        try:
+            store.save({**replicated_state(1), "shard": shard(rank, 1)}, step=1, replicated=["model", "optim"])
+            outcome = "saved"
+        except Exception as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        report(rank, {"rank": rank, "outcome": outcome})
+        os._exit(0)  # the process group cannot be torn down cleanly without its peer
     elif mode == "badarg":
         # Only rank 1 passes an argument save_async refuses before the save's collectives (an optimizer= that is
         # none): rank 0 waited in the plan until the communicator's timeout. Every rank must refuse it.
