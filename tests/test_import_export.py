@@ -219,3 +219,8 @@ def test_export_of_a_version_of_several_ranks_takes_a_rank(tmp_path: Path, capsy
                          "--rank", str(r)]) == 0
         got = torch.load(target, weights_only=True)
         assert got["rank"] == r and torch.equal(got["shard"], torch.full((3,), float(r)))
+    capsys.readouterr()
+    # ls and diff read rank 0's manifest: they say so (a change to another rank's own entries read as none)
+    for argv in (["ls", "main"], ["diff", "main", "main"]):
+        assert cli(["--store", str(store), *argv]) == 0
+        assert f"note: {v.short} was saved by 2 ranks; this reads rank 0's manifest" in capsys.readouterr().err

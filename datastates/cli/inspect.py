@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from ..base.config import human_bytes
@@ -93,6 +94,7 @@ def _ls(store: Store, args: argparse.Namespace) -> int:
         l2 = i.stats.get("l2")
         print(f"{i.key:<{width}}  {i.dtype:<14} {str(list(i.shape)):<20} {human_bytes(i.nbytes):>10}  "
               f"{'' if l2 is None else f'{l2:.4g}':>10}{'' if i.kind == 'tensor' else '  (' + i.kind + ')'}")
+    _note_ranks(store, args.ref)
     return 0
 
 
@@ -128,7 +130,19 @@ def _diff(store: Store, args: argparse.Namespace) -> int:
               f"{fmt(r['cosine'])} {fmt(r['max_abs_diff'])} {shared:>14}")
     if not rows:
         print("no tensor differs (use --all to list unchanged ones)")
+    _note_ranks(store, args.a, args.b)
     return 0
+
+
+def _note_ranks(store: Store, *refs: str) -> None:
+    """On stderr, that a version of several ranks was read through rank 0's manifest: without it, a change to
+    another rank's own entries read as no change."""
+    for ref in refs:
+        v = store.version(ref)
+        if v.world_size > 1:
+            print(f"note: {v.short} was saved by {v.world_size} ranks; this reads rank 0's manifest (its own entries "
+                  "and the replicated ones); other ranks' own entries load with Store.load(ref, rank=R)",
+                  file=sys.stderr)
 
 
 def _find(store: Store, args: argparse.Namespace) -> int:
