@@ -381,7 +381,7 @@ class Store(Queries):
                    lazy: bool = False, optimizer: torch.optim.Optimizer | None = None,
                    fork_of: Any = None, explore: dict[str, Any] | None = None,
                    reuse_unchanged: bool | None = None, replicated: Sequence[str] | None = None,
-                   force: bool = False, _overlap: bool = False) -> SaveHandle:
+                   force: bool = False, _overlap: bool = False, **unexpected: Any) -> SaveHandle:
         """Start saving `state`; return once its tensors are copied (at once when `lazy`).
 
         Modules and optimizers may be passed themselves (`{"model": model, "optim": opt}`): they are saved and
@@ -419,18 +419,26 @@ class Store(Queries):
         """
         t_call = time.perf_counter()
         try:
+            # Keywords are taken as **unexpected and checked here, not by Python at the call: its TypeError would
+            # come before this body, and on one rank of several skip the refusal the others wait for.
+            check_keywords("save_async", unexpected, Store.save_async, hidden=("_overlap",))
             self.repo.check_writable()
             self._raise_pending()
             if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
                 raise InvalidArgumentError(
                     f"optimizer= takes the torch.optim.Optimizer whose next step() waits for this lazy save's copy, "
                     f"not a {type(optimizer).__name__}; pass the optimizer, or put the object in the state")
-            if replicated is not None and (isinstance(replicated, (str, bytes)) or not all(
-                    isinstance(p, str) and p for p in replicated)):
-                # A str would be taken letter by letter (patterns 'm', 'o', ...): the version then could not
-                # be loaded at another world size.
-                raise InvalidArgumentError(f"replicated={replicated!r}: give a list of key prefixes or globs, "
-                                           "e.g. replicated=['model']")
+            if replicated is not None:
+                # Made a list once (a generator would be used up by the check). A str would be taken letter by
+                # letter (patterns 'm', 'o', ...): the version then could not be loaded at another world size.
+                try:
+                    items = None if isinstance(replicated, (str, bytes)) else list(replicated)
+                except TypeError:
+                    items = None
+                if items is None or not all(isinstance(p, str) and p for p in items):
+                    raise InvalidArgumentError(f"replicated={replicated!r}: give a list of key prefixes or globs, "
+                                               "e.g. replicated=['model']")
+                replicated = items
             request = save_request(self.resolve, branch=branch, parents=parents, step=step, epoch=epoch,
                                    hparams=hparams, metrics=metrics, message=message, fork_of=fork_of,
                                    explore=explore, force=force)

@@ -97,14 +97,17 @@ def export(store: Store, ref: Any, fmt: str, out: str | os.PathLike[str], *, all
     """Write version `ref` as `fmt` ("safetensors", "torch" or "dcp") at `out`; return the path.
     safetensors holds the tensors under their key paths (other values are left out); torch and dcp hold
     the whole state. A version saved by several ranks (each rank's own entries, and replicated ones) is written
-    one rank at a time: `rank` (CLI: `--rank`) names which, and is required there (a world-size-1 load gives
-    only the replicated entries: the file would silently lack every rank's own). A version holding values saved
+    one rank at a time: `rank` (CLI: `--rank`) names which; without it, each rank of a job of that world size
+    exports its own, and elsewhere the export is refused (a world-size-1 load gives only the replicated entries:
+    the file would silently lack every rank's own). A version holding values saved
     with pickle is refused unless `allow_pickle` (CLI: `--allow-pickle`): reading them runs code. Raises
     NotFoundError (ref; a rank it was not saved by), InvalidArgumentError (unknown format, existing target, a
     version of several ranks without `rank`), UnsupportedValueError (pickled values, without `allow_pickle`)."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     v = store.version(ref)
+    if rank is None and v.world_size > 1 and store.comm.size == v.world_size:
+        rank = store.comm.rank  # inside a job of that size: each rank exports its own, as its load gives
     if rank is None and v.world_size > 1:
         raise InvalidArgumentError(
             f"version {v.short} was saved by {v.world_size} ranks, each with entries of its own; export one rank at "

@@ -120,6 +120,10 @@ def main() -> None:
             report(rank, {"rank": rank, "size": size, "step": step, "id": v.id,
                           "written": v.timings.get("rank_bytes_written"), "world_size": v.world_size,
                           "partners": v.partners, "node": store.comm.node})
+        if mode == "save":
+            # In a job of the version's world size, export without rank= writes this rank's own entries.
+            out = ds.export(store, "main", "torch", os.path.join(os.environ["DIST_OUT"], f"export-{rank}.pt"))
+            report(rank, {"rank": rank, "exported_shard": torch.load(out, weights_only=True)["shard"][0].item()})
         if mode == "flushed":
             report(rank, {"rank": rank, "flushed": store.flush(timeout=120)})
     elif mode == "mismatch":
@@ -154,14 +158,17 @@ def main() -> None:
         state = {**replicated_state(1), "shard": shard(rank, 1)}
         kw = {"mesage": "typo"} if rank == 1 else {}
         firsts = []
-        for extra in (kw, {"replicated": "model"}):
+        for call, extra in ((store.save, kw), (store.save_async, kw), (store.save, {"replicated": "model"})):
             try:
-                store.save(state, step=1, **{"replicated": ["model", "optim"], **extra})  # type: ignore[arg-type]
+                call(state, step=1, **{"replicated": ["model", "optim"], **extra})  # type: ignore[operator]
                 firsts.append("saved")
             except (ds.DataStatesError, TypeError) as exc:
                 firsts.append(type(exc).__name__)
-        v = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
+        gen = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2,
+                         replicated=(p for p in ["model", "optim"]))  # a generator: used up by the check once
+        v = store.save({**replicated_state(3), "shard": shard(rank, 3)}, step=3, replicated=["model", "optim"])
         report(rank, {"rank": rank, "firsts": firsts, "second": v.id, "step": v.step, "versions": len(store.find("")),
+                      "gen_replicated": gen.replicated,
                       "shards": [store.load(v.id, rank=r, keys=["shard"])["shard"][0].item() for r in range(size)]})
     elif mode == "gone":
         # Rank 1 leaves the job (exits) once the store is open; over gloo rank 0's save met a closed connection
