@@ -421,7 +421,8 @@ class Store(Queries):
         try:
             # Keywords are taken as **unexpected and checked here, not by Python at the call: its TypeError would
             # come before this body, and on one rank of several skip the refusal the others wait for.
-            check_keywords("save_async", unexpected, Store.save_async, hidden=("_overlap",))
+            if unexpected:  # (the signature's walk is not paid by every save)
+                check_keywords("save_async", unexpected, Store.save_async, hidden=("_overlap",))
             self.repo.check_writable()
             self._raise_pending()
             if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):
