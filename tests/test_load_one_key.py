@@ -13,9 +13,9 @@ from helpers.counting import CountPreadv
 from helpers.states import assert_same
 
 import datastates as ds
-from datastates.repo.reader import _key_selector, _tree_paths
+from datastates.repo.reader import _key_selector
 from datastates.save.manifest import Manifest
-from datastates.save.tree import SKIP, PathIndex, flatten, unflatten
+from datastates.save.tree import SKIP, PathIndex, flatten, tree_paths, unflatten
 
 N = 2000
 
@@ -108,7 +108,7 @@ def test_exact_keys_select_what_a_walk_of_every_path_selects() -> None:
     for _ in range(20):
         tree, _entries = flatten(_tricky_state(rng))
         index = PathIndex(tree)
-        paths = _tree_paths(tree)
+        paths = tree_paths(tree)
         probes = set(paths) | {p[:i] for p in paths for i in range(1, len(p) + 1)} | {"zz", "l.12", "a.b.c.d.e"}
         for key in sorted(probes):
             _route, found = index.route([key])

@@ -27,7 +27,7 @@ from ..meta.versions import Version, shown
 from ..objects.object_store import PendingRead
 from ..save.collective import matches
 from ..save.manifest import Manifest
-from ..save.tree import SKIP, Route, dtype_from_name, key_patterns, tensor_rows, unflatten
+from ..save.tree import SKIP, Route, dtype_from_name, key_patterns, tensor_rows, tree_paths, unflatten
 from .repository import Repository
 
 log = logging.getLogger("datastates")
@@ -445,19 +445,6 @@ def _check_module(name: str, saved: Any, live: dict[str, Any], v: Version, stric
                                  "architecture, or pass strict=False to load the keys both have")
 
 
-def _tree_paths(node: dict[str, Any], path: str = "") -> list[str]:
-    """Every key path in a state skeleton: leaves and containers (a scheduler's subtree has no tensor)."""
-    out = [path] if path else []
-    t = node["t"]
-    if t in ("dict", "odict"):
-        for k, child in zip(node["k"], node["v"]):
-            out += _tree_paths(child, f"{path}.{k}" if path else str(k))
-    elif t in ("list", "tuple"):
-        for i, child in enumerate(node["v"]):
-            out += _tree_paths(child, f"{path}.{i}" if path else str(i))
-    return out
-
-
 def _is_glob(key: str) -> bool:
     return any(c in key for c in "*?[")
 
@@ -473,7 +460,7 @@ def _key_selector(keys: list[str], m: Manifest, v: Version) -> tuple[Any, Route 
     globs = [k for k in valid if _is_glob(k)]
     exact = {k for k in valid if not _is_glob(k)}
     route, found = m.paths.route(exact)
-    existing = _tree_paths(m.tree) if globs else []
+    existing = tree_paths(m.tree) if globs else []
     for k in keys:
         if not isinstance(k, str) or not k:
             raise InvalidNameError(f"key {k!r} must be a non-empty string path like 'model.fc.weight'")

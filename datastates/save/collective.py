@@ -36,7 +36,7 @@ from . import manifest as mf
 from .commit import check_branch_move
 from .job import SaveJob
 from .placement import Placement
-from .tree import TensorEntry, dtype_name
+from .tree import TensorEntry, dtype_name, tree_paths
 
 
 @dataclass
@@ -54,6 +54,18 @@ class DistPlan:
 def matches(key: str, patterns: list[str]) -> bool:
     """Whether `key` is under one of the patterns: the key itself, a prefix ending at '.', or a glob."""
     return any(key == p or key.startswith(p + ".") or fnmatch.fnmatchcase(key, p) for p in patterns)
+
+
+def check_patterns(tree: dict[str, Any], patterns: list[str]) -> None:
+    """Raise InvalidArgumentError naming the `replicated` patterns that match no key path of the state (a typo, or
+    'model' for a state keyed 'module'): the version would record them, and a load at another world size, which
+    reads the replicated entries by those patterns, would fail on each ('has no key')."""
+    paths = tree_paths(tree)
+    missing = [p for p in patterns if not any(matches(k, [p]) for k in paths)]
+    if missing:
+        top = sorted({k.split(".", 1)[0] for k in paths})[:10]
+        raise InvalidArgumentError(f"replicated patterns {missing} match no key of the state (its top-level keys: "
+                                   f"{top}); name prefixes or globs of keys that are in it, e.g. replicated=['model']")
 
 
 def replicated_rows(entries: list[TensorEntry], patterns: list[str]) -> list[int]:

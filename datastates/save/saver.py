@@ -25,7 +25,7 @@ from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, CudaStaging, capture
 from .capture import plan as plan_slots
-from .collective import plan, refuse_together
+from .collective import check_patterns, plan, refuse_together
 from .copier import Copier
 from .counters import watch_fused_steps
 from .job import KnownStats, SaveHandle, SaveJob, SaveMemory
@@ -98,6 +98,8 @@ class Saver:
                 state, allow_pickle=allow_pickle, defer=group is None and not reuse_unchanged,
                 address_key=(self.chunk_size, self.pool.slot_bytes, borrow),
                 committed=self.memory.by_key if reuse is not None and reuse[1] else None)
+            if group is not None and replicated:
+                check_patterns(tree, replicated)
         except Exception as exc:
             if group is not None:
                 refuse_together(group, exc)  # the other ranks are in `plan`: they refuse this save too

@@ -1005,3 +1005,16 @@ class _Skip:
 
 
 SKIP: Any = _Skip()
+
+
+def tree_paths(node: dict[str, Any], path: str = "") -> list[str]:
+    """Every key path in a state skeleton: leaves and containers (a scheduler's subtree has no tensor)."""
+    out = [path] if path else []
+    t = node["t"]
+    if t in ("dict", "odict"):
+        for k, child in zip(node["k"], node["v"]):
+            out += tree_paths(child, f"{path}.{k}" if path else str(k))
+    elif t in ("list", "tuple"):
+        for i, child in enumerate(node["v"]):
+            out += tree_paths(child, f"{path}.{i}" if path else str(i))
+    return out

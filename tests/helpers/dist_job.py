@@ -117,13 +117,14 @@ def main() -> None:
                 v = store.save(state, step=step, replicated=["model", "optim"])
             else:
                 v = store.save_async(state, step=step, replicated=["model", "optim"]).result()
-            report(rank, {"rank": rank, "size": size, "step": step, "id": v.id,
-                          "written": v.timings.get("rank_bytes_written"), "world_size": v.world_size,
-                          "partners": v.partners, "node": store.comm.node})
-        if mode == "save":
-            # In a job of the version's world size, export without rank= writes this rank's own entries.
-            out = ds.export(store, "main", "torch", os.path.join(os.environ["DIST_OUT"], f"export-{rank}.pt"))
-            report(rank, {"rank": rank, "exported_shard": torch.load(out, weights_only=True)["shard"][0].item()})
+            row = {"rank": rank, "size": size, "step": step, "id": v.id,
+                   "written": v.timings.get("rank_bytes_written"), "world_size": v.world_size,
+                   "partners": v.partners, "node": store.comm.node}
+            if mode == "save" and step == 2:
+                # In a job of the version's world size, export without rank= writes this rank's own entries.
+                out = ds.export(store, v.id, "torch", os.path.join(os.environ["DIST_OUT"], f"export-{rank}.pt"))
+                row["exported_shard"] = torch.load(out, weights_only=True)["shard"][0].item()
+            report(rank, row)
         if mode == "flushed":
             report(rank, {"rank": rank, "flushed": store.flush(timeout=120)})
     elif mode == "mismatch":
@@ -158,7 +159,8 @@ def main() -> None:
         state = {**replicated_state(1), "shard": shard(rank, 1)}
         kw = {"mesage": "typo"} if rank == 1 else {}
         firsts = []
-        for call, extra in ((store.save, kw), (store.save_async, kw), (store.save, {"replicated": "model"})):
+        for call, extra in ((store.save, kw), (store.save_async, kw), (store.save, {"replicated": "model"}),
+                            (store.save, {"replicated": ["model", "optm.*"]})):
             try:
                 call(state, step=1, **{"replicated": ["model", "optim"], **extra})  # type: ignore[operator]
                 firsts.append("saved")
