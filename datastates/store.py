@@ -368,11 +368,7 @@ class Store(Queries):
 
         Raises UnexpectedArgumentError (a TypeError) naming `save` and the closest keyword for a typo.
         """
-        try:
-            check_keywords("save", kw, Store.save_async, hidden=("_overlap",))
-        except TypeError as exc:
-            self._refuse_together(exc)  # a typo on one rank: the others must not pair with its next save
-            raise
+        # save_async checks the keywords (under this call's name), on every rank of a collective save at once.
         return self.save_async(state, branch=branch, _overlap=True, **kw).result()
 
     def save_async(self, state: Any, *, branch: str | None = "main", parents: Sequence[Any] | None = None,
@@ -421,8 +417,9 @@ class Store(Queries):
         try:
             # Keywords are taken as **unexpected and checked here, not by Python at the call: its TypeError would
             # come before this body, and on one rank of several skip the refusal the others wait for.
-            if unexpected:  # (the signature's walk is not paid by every save)
-                check_keywords("save_async", unexpected, Store.save_async, hidden=("_overlap",))
+            if unexpected:  # (the signature's walk is not paid by every save; `_overlap`: a call of `save`)
+                check_keywords("save" if _overlap else "save_async", unexpected, Store.save_async,
+                               hidden=("_overlap",))
             self.repo.check_writable()
             self._raise_pending()
             if optimizer is not None and not callable(getattr(optimizer, "register_step_pre_hook", None)):

@@ -477,3 +477,14 @@ def test_log_limit_must_be_a_count(store: ds.Store) -> None:
     for bad in (-1, 1.5, True, "2"):
         with pytest.raises(InvalidArgumentError, match="must be a number of versions"):
             store.log(limit=bad)  # type: ignore[arg-type]
+
+
+def test_a_misspelt_keyword_of_save_or_save_async_names_that_call_and_saves_nothing(tmp_path: Path) -> None:
+    """Both calls check their keywords in save_async's body (so a collective save refuses a typo on every rank);
+    the message names the call the user made."""
+    with ds.Store.open(tmp_path / "s") as store:
+        for call, name in ((store.save, "save"), (store.save_async, "save_async")):
+            with pytest.raises(ds.errors.UnexpectedArgumentError,
+                               match=rf"^{name}\(\) got an unexpected keyword argument 'mesage'; did you mean"):
+                call({"w": torch.ones(2)}, mesage="x")
+        assert store.find("") == []

@@ -86,8 +86,7 @@ def rebuild_catalog(store: Repository) -> int:
                 idx = read_index(path)
             except (IntegrityError, OSError):
                 continue  # fsck reports damaged packs; their chunks stay unindexed
-            pack = path.name.removesuffix(".pack")
-            cat.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": tier.name}, idx)
+            cat.add_pack_file(path, tier.name, idx)
     on_cold = set(store.cold.iter_ids("versions", "json")) if store.cold is not None else set()
     flush_rest = store.cold is not None and not store.tiering.flush.tagged_only
     n = 0
@@ -718,8 +717,7 @@ def _mend_pack_entry(store: Repository, rep: FsckReport, repair: bool, pack: str
         if not repair:
             rep.problems.append(store.catalog.damaged_pack_message(pack))
         else:
-            info = {"size": t.pack_path(pack).stat().st_size, "chunks": len(idx), "tier": t.name}
-            store.catalog.add_pack_chunks(pack, info, [])  # (its chunk locations are checked apart)
+            store.catalog.add_pack_file(t.pack_path(pack), t.name, idx, locations=False)  # (checked apart)
             rep.repaired.append(f"wrote the damaged catalog entry of pack {pack} again from its file on tier {t.name}")
         return
     rep.problems.append(f"catalog {store.catalog.path / 'data.mdb'}: the entry of pack {pack} is damaged (not a JSON "
@@ -808,9 +806,7 @@ def _reindex_pack(store: Repository, rep: FsckReport, repair: bool, pack: str, u
                             "`datastates fsck --repair` indexes them")
         return
     path = store.tier.pack_path(pack)
-    idx = _index(path) or []
-    store.catalog.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": store.tier.name},
-                                  idx)
+    store.catalog.add_pack_file(path, store.tier.name, _index(path) or [])
     rep.repaired.append(f"indexed pack {pack} again: it holds {held} chunk(s) versions need that the catalog had "
                         "lost")
 

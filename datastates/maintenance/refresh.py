@@ -32,7 +32,7 @@ def refresh(repo: Repository) -> dict[str, int]:
     for pack, path in on_cold.items():  # one listing of cold, not a stat per pack (PFS metadata)
         if pack not in known:
             idx = read_index(path)
-            catalog.add_pack_chunks(pack, {"size": path.stat().st_size, "chunks": len(idx), "tier": "cold"}, idx)
+            catalog.add_pack_file(path, "cold", idx)
             counts["packs"] += 1
     for vid in cold.iter_ids("versions", "json"):
         if catalog.record(vid) is None:

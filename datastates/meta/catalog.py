@@ -389,6 +389,14 @@ class Catalog:
                 dropped += 1
         return dropped
 
+    def add_pack_file(self, path: Path, tier: str, index: list[tuple[bytes, ChunkLocation]], *,
+                      locations: bool = True) -> None:
+        """Index the sealed pack file at `path` on `tier`: its entry from the file (size, the chunk count of its
+        `index`) and, with `locations`, its chunks (without overwriting locations already known)."""
+        self.add_pack_chunks(path.name.removesuffix(".pack"),
+                             {"size": path.stat().st_size, "chunks": len(index), "tier": tier},
+                             index if locations else [])
+
     def add_pack_chunks(self, pack: str, info: dict[str, Any], chunks: list[tuple[bytes, ChunkLocation]]) -> None:
         """Index a sealed pack's chunks without overwriting locations already known."""
         with self._begin(write=True) as txn:
