@@ -452,10 +452,11 @@ class Store(Queries):
             self._refuse_together(exc)
             raise
         use = self.reuse_unchanged if reuse_unchanged is None else reuse_unchanged
-        return self._saver.submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
-                                  reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,
-                                  commit_comm=self.commit_comm,
-                                  replicated=list(replicated or []))
+        handle = self._saver.submit(state, request, allow_pickle=allow_pickle, lazy=lazy, optimizer=optimizer,
+                                    reuse_unchanged=use, overlap=_overlap, t_call=t_call, comm=self.comm,
+                                    commit_comm=self.commit_comm, replicated=list(replicated or []))
+        handle.store = str(self.repo.path)
+        return handle
 
     def _refuse_together(self, exc: Exception) -> None:
         """On a store of several ranks, tell the others (in the save's plan) that this rank refuses the save, so

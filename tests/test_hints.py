@@ -183,3 +183,25 @@ def test_an_error_of_opening_names_the_store_in_its_hint(tmp_path: Path, monkeyp
     assert main(shlex.split(hint.group(1))[1:]) == 0
     with ds.Store.open(store) as s:
         assert s.load("main")["w"].tolist() == [1.0, 1.0]
+
+
+def test_a_hint_raised_by_a_save_handle_names_the_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error of the background, raised by `SaveHandle.result()` rather than by a Store method, kept
+    `datastates tag keep-...` without --store: pasted into a shell, it found no store."""
+    monkeypatch.delenv("DATASTATES_STORE", raising=False)
+    store = tmp_path / "s"
+    with ds.Store.open(store) as s:
+        s.save({"w": torch.ones(2)})
+        b = s.save({"w": torch.zeros(2)})
+        with s.refs.locked():  # both saves wait at their commit: the second's check at the call sees head b
+            first = s.save_async({"w": torch.full((2,), 3.0)})
+            second = s.save_async({"w": torch.full((2,), 4.0)}, parents=[b.id])
+        first.result()
+        with pytest.raises(ds.ConflictError) as info:
+            second.result()
+        assert second.exception() is info.value
+    hint = HINT.search(str(info.value))
+    assert hint is not None and hint.group(1).startswith(f"datastates --store {store} tag keep-")
+    assert main(shlex.split(hint.group(1))[1:]) == 0
+    with ds.Store.open(store) as s:
+        assert [t for t in s.tags() if t.startswith("keep-")] == [f"keep-{first.id[:12]}"]

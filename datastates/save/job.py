@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..base.collector import paused
-from ..errors import DataStatesError, SaveFailedError
+from ..errors import DataStatesError, SaveFailedError, name_store
 from ..objects.chunks import ChunkLocation
 from ..objects.packs import PackWriter
 from .buffers import Slot
@@ -40,6 +40,9 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._capture_error: BaseException | None = None
         self._flushed: Callable[[float | None], bool] | None = None
+        self.store: str | None = None
+        """The store's directory, put into the command hints of what `result()` raises (as every `Store` method
+        does): a hint pasted into a shell finds no store of its own."""
         self.delivered = False
         """True once `result()` raised this save's error or `exception()` returned it: the store then does not
         raise it again at the next call."""
@@ -52,7 +55,7 @@ class SaveHandle:
         """Block until the tensors are copied; True if they are. Raises a capture error."""
         ok = self._staged.wait(timeout)
         if self._capture_error is not None:
-            raise SaveFailedError(f"save failed while copying the state: {self._capture_error!r}") \
+            raise self._named(SaveFailedError(f"save failed while copying the state: {self._capture_error!r}")) \
                 from self._capture_error
         return ok
 
@@ -66,8 +69,8 @@ class SaveHandle:
         if self._error is not None:
             self.delivered = True
             if isinstance(self._error, DataStatesError):
-                raise self._error
-            raise SaveFailedError(f"background save failed: {self._error!r}") from self._error
+                raise self._named(self._error)
+            raise self._named(SaveFailedError(f"background save failed: {self._error!r}")) from self._error
         assert self._version is not None
         return self._version
 
@@ -75,7 +78,12 @@ class SaveHandle:
         if not self._done.wait(timeout):
             raise TimeoutError(f"save not finished after {timeout} s")
         self.delivered = True
-        return self._error
+        return self._named(self._error) if isinstance(self._error, DataStatesError) else self._error
+
+    def _named(self, exc: DataStatesError) -> DataStatesError:
+        if self.store is not None:
+            name_store(exc, self.store)
+        return exc
 
     @property
     def id(self) -> str | None:
