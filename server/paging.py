@@ -130,7 +130,9 @@ def _key_of(value: Any) -> Any:
 
 def keyset_page(table: pa.Table, column: str, desc: bool, after: tuple[Any, str] | None,
                 limit: int) -> tuple[list[str], tuple[Any, str] | None]:
-    """Ids of the next `limit` rows in (column, id) order after `after`; nulls sort last either way.
+    """Ids of the next `limit` rows in (column, id) order after `after`; nulls sort last either way, and rows of
+    one key (ties, nulls) go by id ascending in either direction: `Store.find`'s order, a stable sort of rows
+    read in id order, which `RemoteStore.find` must give too.
 
     Returns (ids, key of the last row when more rows follow, else None).
     """
@@ -141,7 +143,7 @@ def keyset_page(table: pa.Table, column: str, desc: bool, after: tuple[Any, str]
         keys = pc.if_else(pc.is_nan(keys), pa.scalar(None, keys.type), keys)
     if after is not None:
         k, last = after
-        id_after = pc.greater(ids, pa.scalar(last)) if not desc else pc.less(ids, pa.scalar(last))
+        id_after = pc.greater(ids, pa.scalar(last))
         if k is None:
             mask = pc.and_(pc.is_null(keys), id_after)
         else:
@@ -162,9 +164,9 @@ def keyset_page(table: pa.Table, column: str, desc: bool, after: tuple[Any, str]
     order = "descending" if desc else "ascending"
     sort = pa.table({"k": keys, "id": ids})
     try:  # pyarrow >= 21 takes the null placement per key (the global option is deprecated)
-        idx = pc.sort_indices(sort, sort_keys=[("k", order, "at_end"), ("id", order, "at_end")])
+        idx = pc.sort_indices(sort, sort_keys=[("k", order, "at_end"), ("id", "ascending", "at_end")])
     except (TypeError, ValueError, pa.ArrowInvalid):
-        idx = pc.sort_indices(sort, sort_keys=[("k", order), ("id", order)], null_placement="at_end")
+        idx = pc.sort_indices(sort, sort_keys=[("k", order), ("id", "ascending")], null_placement="at_end")
     idx = idx.slice(0, limit + 1)
     page = sort.take(idx)
     out_ids = page.column("id").to_pylist()

@@ -45,15 +45,18 @@ def test_find_equals_the_store(remote: ds.RemoteStore, store: ds.Store) -> None:
     for q in ("", "hparams.lr > 1e-3", "metrics.loss < 0.4", "step >= 20 and step <= 40"):
         assert [v.id for v in remote.find(q)] == [v.id for v in store.find(q)], q
     assert len(remote.find("hparams.lr > 1e-3")) >= 4
-    # A query's own order by is the order (it was re-sorted oldest first: a review)
-    for q, field in (("order by step desc limit 5", "step"), ("hparams.lr > 1e-3 order by metrics.loss", "loss"),
-                     ("order by step desc", "step")):  # (ties may differ: the server breaks them by id)
-        got, want = remote.find(q), store.find(q)
-        assert {v.id for v in got} == {v.id for v in want}, q
-        if field == "step":
-            assert [v.step for v in got] == [v.step for v in want], q
-        else:
-            assert [v.metrics.get("loss") for v in got] == [v.metrics.get("loss") for v in want], q
+    # A query's own order by is the order (it was re-sorted oldest first: a review), ties included: the server
+    # broke them by id descending in a descending order, where Store.find keeps them by id ascending.
+    for q in ("order by step desc limit 5", "hparams.lr > 1e-3 order by metrics.loss", "order by step desc",
+              "order by step", "order by metrics.loss desc", "order by hparams.opt desc"):
+        want = [v.id for v in store.find(q)]
+        assert [v.id for v in remote.find(q)] == want, q
+    steps = [v.step for v in store.find("order by step desc")]
+    assert len(steps) > len(set(steps))  # ties there are
+    for order_by in ("-step", "step", "-metrics.loss"):
+        field, desc = order_by.lstrip("-"), order_by.startswith("-")
+        q = f"order by {field}{' desc' if desc else ''}"
+        assert [v.id for v in remote.find(order_by=order_by)] == [v.id for v in store.find(q)], order_by
     with pytest.raises(ds.InvalidArgumentError, match="its own 'order by' and order_by= is given too"):
         remote.find("order by step", order_by="-created")
     with pytest.raises(ds.InvalidArgumentError, match="names several fields"):
