@@ -49,7 +49,7 @@ from ..save.job import SaveHandle
 from ..save.manifest import Manifest
 
 log = logging.getLogger("datastates")
-_REF_SUFFIX = re.compile(r"^(.*?)((?:~\d*|\^)+)$")
+_REF_SUFFIX = re.compile(r"^(.*?)((?:~[0-9]*|\^)+)$")  # ASCII digits: int() reads "~１" (full width) as ~1
 _ID_PREFIX = re.compile(r"[0-9a-fA-F]{6,64}")  # what resolve reads as an id prefix (any case)
 
 
@@ -183,7 +183,7 @@ class Repository:
         m = _REF_SUFFIX.match(ref)
         if m and m.group(1):
             base, suffix = m.group(1), m.group(2)
-            n = sum(int(x) if x else 1 for x in re.findall(r"~(\d*)", suffix)) + suffix.count("^")
+            n = sum(int(x) if x else 1 for x in re.findall(r"~([0-9]*)", suffix)) + suffix.count("^")
             vid = self.resolve(base)
             for i in range(n):
                 parents = self.parents(vid)
