@@ -55,16 +55,55 @@ def test_prune_from_another_process_keeps_a_live_populations_lineage(tmp_path: P
         assert sum(s.version(v).pruned for v in needed) > 0  # no lease: the policy applies again
 
 
+def test_one_member_process_leaving_keeps_the_others_lineage(tmp_path: Path) -> None:
+    """Two processes of one population (members trained apart): the lease was one file per name, held by the
+    last to renew, so the first process to finish removed it and a prune took the lineage of the one still
+    training. Each process holds its own now."""
+    path = tmp_path / "s"
+    first, second = _start(path), _start(path)
+    try:
+        assert len(list((path / "leases").glob("*.json"))) == 2
+        assert first.stdin is not None and second.stdin is not None and second.stdout is not None
+        first.stdin.write("quit\n")
+        first.stdin.flush()
+        assert first.wait(60) == 0
+        assert [p.name for p in (path / "leases").glob("*.json")] == [f"pbt-sweep@{_host()}-{second.pid}.json"]
+        needed = _lineage(path)
+        assert cli(["--store", str(path), "prune", "--keep-latest", "1"]) == 0
+        with ds.Store.open(path, create=False) as s:
+            assert not any(s.version(v).pruned for v in needed)
+        second.stdin.write("load\n")
+        second.stdin.flush()
+        assert second.stdout.readline().strip().startswith("LOADED ")  # a pruned ancestor would raise
+        assert second.wait(60) == 0
+    finally:
+        for proc in (first, second):
+            proc.kill()
+            proc.wait()
+    assert not list((path / "leases").glob("*.json"))
+
+
+def _host() -> str:
+    import socket
+
+    from datastates.meta.leases import _safe
+    return _safe(socket.gethostname())
+
+
 def test_a_killed_populations_lease_stops_protecting(tmp_path: Path) -> None:
     path = tmp_path / "s"
     proc = _start(path)
     proc.kill()
     proc.wait()
-    assert list((path / "leases").glob("*.json"))  # left behind by the SIGKILL
+    left = list((path / "leases").glob("*.json"))
+    assert [p.name for p in left] == [f"pbt-sweep@{_host()}-{proc.pid}.json"]  # left behind by the SIGKILL
     needed = _lineage(path)
     assert cli(["--store", str(path), "prune", "--keep-latest", "1"]) == 0
     with ds.Store.open(path, create=False) as s:
         assert sum(s.version(v).pruned for v in needed) > 0  # its pid is gone on this host
+        from datastates.pbt import Population
+        with Population(s, "sweep", size=2):  # the next holder of the name removes the dead one's file
+            assert [p.name for p in (path / "leases").glob("*.json")] == [f"pbt-sweep@{_host()}-{os.getpid()}.json"]
 
 
 def test_an_unreadable_lease_keeps_every_branchs_lineage(tmp_path: Path) -> None:
