@@ -184,6 +184,42 @@ def test_racing_hosts_on_one_branch_lose_nothing(tmp_path: Path) -> None:
         assert s.tiers_status()[-1]["conflicts"] == [] and s.resolve("main") == heads
 
 
+def test_a_line_that_lost_its_branch_on_cold_survives_a_prune_on_another_host(tmp_path: Path) -> None:
+    """b's version lost branch main on cold to a's, and no ref named it on cold (b's own branch is on b's hot
+    tier): a prune on host a took it for an abandoned line, gc freed it, and b's `load('main')` raised
+    PrunedError (a hunt). Now the flush names it by a branch of its own on cold, moved forward as b goes on."""
+    import socket
+
+    from datastates.retention import KeepLatest
+
+    cold = tmp_path / "cold"
+    a = ds.Store.open(cold, hot=tmp_path / "hot-a")
+    b = ds.Store.open(cold, hot=tmp_path / "hot-b")
+    a.save(_state(1), step=1)
+    assert a.flush(timeout=30) and b.refresh()["versions"] == 1
+    a.save(_state(2), step=2)
+    assert a.flush(timeout=30)
+    vb = b.save(_state(7), step=7)  # on a1, not on a2: two lines
+    assert b.flush(timeout=30)
+    kept = f"main@{socket.gethostname()}"
+    assert b.flusher is not None and any(f"kept on cold as branch {kept!r}" in c for c in b.flusher.conflicts)
+    vb2 = b.save(_state(8), step=8)
+    assert b.flush(timeout=30)
+    assert b.repo.cold_refs is not None and b.repo.cold_refs.get("branch", kept) == vb2.id  # moved, not made anew
+    a.save(_state(3), step=3)
+    assert a.flush(timeout=30)
+    a.refresh()
+    plan = a.prune(KeepLatest(1))
+    assert vb2.id in plan.keep and vb.id in plan.prune  # a head is kept; the rest of its line is the policy's
+    a.gc(cold_grace_s=0)
+    a.close()
+    b.close()
+    with ds.Store.open(cold, hot=tmp_path / "hot-b") as s:
+        assert s.resolve("main") == vb2.id and s.load("main")["i"].item() == 8
+    with ds.Store.open(cold, hot=tmp_path / "hot-c") as s:  # a node that never saw b's hot tier
+        assert s.resolve(kept) == vb2.id and s.load(kept)["i"].item() == 8
+
+
 def test_corrupt_hot_chunk_falls_back_to_cold_and_repairs_hot(tmp_path: Path) -> None:
     s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
     v = s.save(_state(3), step=3)

@@ -247,6 +247,41 @@ class Flusher:
         self._own.pop(vid, None)
         self._waiting_since.pop(vid, None)
 
+    def _keep_line(self, v: Any) -> str | None:
+        """Name `v`, a version whose branch lost the race on cold (another host moved it onto another line), by a
+        branch of its own on cold, `BRANCH@HOST` (`BRANCH@HOST-2`, ... when that one is on a line `v` does not
+        continue), moved only forward; returns the name, None if none could be made. On cold `v` was named by
+        no ref, so a prune run on any other host took it for an abandoned line and pruned this host's latest
+        state (its own branch is on its hot tier, which no other host reads). Called under cold's ref lock."""
+        import socket
+
+        from ..meta.refs import check_name
+        from ..query.lineage import is_ancestor
+
+        store = self.store
+        cold_refs = store.cold_refs
+        assert cold_refs is not None
+        base = f"{v.branch}@{socket.gethostname()}"
+        for n in range(1, 100):
+            name = base if n == 1 else f"{base}-{n}"
+            try:
+                check_name(name, "branch")
+            except DataStatesError:
+                break  # a branch name too long with the host's: the conflict is still reported
+            try:
+                head = cold_refs.get("branch", name)
+            except IntegrityError:
+                continue  # a damaged ref file (fsck reports it): never written over
+            if head == v.id:
+                return name
+            if head is None or (store.catalog.record(head) is not None and is_ancestor(store.graph, head, v.id)):
+                cold_refs.set_if_equals("branch", name, head, v.id, f"flush {v.short}: {v.branch} is on another "
+                                        "line on cold", locked=True)
+                return name
+        log.warning("version %s lost branch %r on cold and no branch keeps it there: a prune on another host may "
+                    "prune it; give it a tag", v.short, v.branch)
+        return None
+
     def _wait_for_others(self, vid: str, packs: set[str]) -> None:
         """Raise _Waiting (retried soon) while packs of `vid` that this node lacks are not on cold yet;
         past the collective timeout, IntegrityError (a rank died before it flushed: retried with backoff)."""
@@ -284,8 +319,10 @@ class Flusher:
                 if current is None or (known and current != v.id and is_ancestor(store.graph, current, v.id)):
                     cold_refs.set_if_equals("branch", v.branch, current, v.id, f"flush {v.short}", locked=True)
                 elif current != v.id and not (known and is_ancestor(store.graph, v.id, current)):
+                    kept = self._keep_line(v)
                     self.conflicts.append(f"branch {v.branch!r} on cold is at {current[:12]}, which is not an "
-                                          f"ancestor of {v.short}; left as is")
+                                          f"ancestor of {v.short}; left as is"
+                                          + (f", and {v.short} is kept on cold as branch {kept!r}" if kept else ""))
         for name, tid in store.refs.names("tag").items():
             if tid == v.id:
                 try:
