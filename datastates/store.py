@@ -366,10 +366,21 @@ class Store(Queries):
     def save(self, state: Any, *, branch: str | None = "main", **kw: Any) -> Version:
         """Save `state` and wait until it is durable; see `save_async` for the arguments.
 
+        The state's tensors are read in place (no staging copy) until this returns: do not change them from
+        another thread meanwhile (`save_async` copies them first). Interrupted while it waits (KeyboardInterrupt),
+        the save is dropped unless its commit had begun; either way the version, if any, is whole.
+
         Raises UnexpectedArgumentError (a TypeError) naming `save` and the closest keyword for a typo.
         """
         # save_async checks the keywords (under this call's name), on every rank of a collective save at once.
-        return self.save_async(state, branch=branch, _overlap=True, **kw).result()
+        handle = self.save_async(state, branch=branch, _overlap=True, **kw)
+        try:
+            return handle.result()
+        except BaseException:
+            # Interrupted (KeyboardInterrupt) while the background still reads the caller's tensors in place: the
+            # caller may change them now, so the save must not be committed from bytes it did not hash.
+            handle.abandon()
+            raise
 
     def save_async(self, state: Any, *, branch: str | None = "main", parents: Sequence[Any] | None = None,
                    step: int | None = None, epoch: int | None = None, hparams: dict[str, Any] | None = None,

@@ -40,6 +40,9 @@ class SaveHandle:
         self._error: BaseException | None = None
         self._capture_error: BaseException | None = None
         self._flushed: Callable[[float | None], bool] | None = None
+        self._commit_lock = threading.Lock()
+        self._abandoned = False
+        self._committing = False
         self.store: str | None = None
         """The store's directory, put into the command hints of what `result()` raises (as every `Store` method
         does): a hint pasted into a shell finds no store of its own."""
@@ -79,6 +82,26 @@ class SaveHandle:
             raise TimeoutError(f"save not finished after {timeout} s")
         self.delivered = True
         return self._named(self._error) if isinstance(self._error, DataStatesError) else self._error
+
+    def abandon(self) -> bool:
+        """Make sure this save is never committed unless its commit has begun; True if it will not be. For a
+        synchronous save interrupted (KeyboardInterrupt) while it waits: it reads the caller's tensors in place,
+        and the caller, back in control, may change them while the background still hashes and writes them, so
+        the bytes written could differ from the ids they were hashed under. Committed, such a chunk made the
+        version unloadable, and every later save of the same values reused it. Once the commit has begun every
+        byte was read, and the version is whole. An abandoned save's error is not raised again by the store."""
+        with self._commit_lock:
+            if self._committing:
+                return False
+            self._abandoned = self.delivered = True
+            return True
+
+    def _may_commit(self) -> bool:
+        """Called by the pipeline once every byte is written, before the commit: False if the save was
+        abandoned, else True, and `abandon` can no longer stop it."""
+        with self._commit_lock:
+            self._committing = not self._abandoned
+            return self._committing
 
     def _named(self, exc: DataStatesError) -> DataStatesError:
         if self.store is not None:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConflictError
+from ..errors import ConflictError, SaveFailedError
 from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
 from .buffers import BufferPool, Piece, Slot
@@ -264,6 +264,9 @@ class Pipeline:
                         if job.dist is None:
                             raise
                         job.failure = exc  # the other ranks wait in the commit's collectives: tell them
+                    if job.dist is None and not job.handle._may_commit():
+                        raise SaveFailedError("save abandoned by its caller (interrupted) before its commit; "
+                                              "nothing of it is visible")
                     version = self._commit(job)
                 follow = self._after_commit is not None and job.committed
                 if follow:
