@@ -24,9 +24,11 @@ import pytest
 import torch
 
 import datastates as ds
+from datastates.base.files import HOST
 from datastates.cli import main as cli_main
 from datastates.errors import CatalogDamagedError, IntegrityError, StorageFullError, StoreFormatError
 from datastates.meta.catalog import Catalog
+from datastates.meta.versions import encode_annotations
 
 KIB = 1 << 10
 
@@ -289,6 +291,72 @@ def test_fsck_without_repair_changes_nothing(tmp_path: Path, tiered: bool) -> No
     for tier in (["hot", "cold"] if tiered else ["hot"]):
         assert any(f"on tier {tier}" in p and "version record" in p for p in rep.problems)
         assert any(f"on tier {tier}" in p and "manifest" in p for p in rep.problems)
+
+
+
+def temp_of(final: Path, pid: int, data: bytes) -> Path:
+    """A temp file beside `final` named as process `pid` of this host names the temps it writes
+    (docs/format.md section 1), holding `data`."""
+    path = final.with_name(f".{final.name}.{HOST[:60]}.{pid}.{os.urandom(4).hex()}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+@TIERED
+def test_fsck_leaves_the_temp_files_of_live_writers_alone(tmp_path: Path, tiered: bool) -> None:
+    """Regression: fsck --repair took every temp file on a node-local tier for debris, as its exclusive writers
+    lock keeps saves out; but tag, branch and annotate write their temps under the ref lock only, so a tag being
+    made in another process lost its temp (its rename failed with a bare FileNotFoundError: no tag), and plain
+    fsck called it a problem. Now a temp naming a live process of this host (a child waiting on a pipe, or this
+    test itself) is neither removed nor reported; a dead process's is, and so is a save's `.pack.tmp` there."""
+    cold, hot, ids = make(tmp_path, tiered)
+    local = hot or cold  # the node-local tier: the catalog's, where refs and annotations are written first
+    writer = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    assert gone.wait(timeout=120) == 0  # reaped: its pid names no process now
+    note = encode_annotations({"note": "in flight"})
+    ref = [vid.encode() + b"\n" for vid in ids]
+    try:
+        # (tag "keep" and an annotation being written by the child, branch "side" by this process)
+        live = {temp_of(local / "refs" / "tags" / "keep", writer.pid, ref[1]): ref[1],
+                temp_of(local / "annotations" / ids[2][:2] / f"{ids[2]}.json", writer.pid, note): note,
+                temp_of(local / "refs" / "heads" / "side", os.getpid(), ref[0]): ref[0]}
+        dead = [temp_of(local / "refs" / "tags" / "lost", gone.pid, ref[0]),
+                temp_of(local / "annotations" / ids[0][:2] / f"{ids[0]}.json", gone.pid, note)]
+        (local / "packs" / f"{'ab' * 16}.pack.tmp").write_bytes(b"\0" * 100)  # a killed save's: no pid in the name
+        dead.append(local / "packs" / f"{'ab' * 16}.pack.tmp")
+        s = open_store(cold, hot)
+        try:
+            before = tree(local)
+            rep = s.fsck()
+            assert tree(local) == before  # plain fsck changes nothing
+            leftovers = [p for p in rep.problems if "leftover" in p]
+            assert len(leftovers) == 3 and len(rep.problems) == 3, rep.problems
+            assert sorted(p.rsplit(":", 1)[-1].strip() for p in leftovers) == sorted(
+                str(d.relative_to(local)) for d in dead)
+            assert not any(t.name in p for t in live for p in rep.problems + rep.notes)
+
+            rep = s.fsck(repair=True)
+            assert len([r for r in rep.repaired if r.startswith("removed leftover")]) == 3, rep.repaired
+            assert not any(d.exists() for d in dead)
+            assert {t: t.read_bytes() for t in live} == live  # every byte of every live writer's temp kept
+            assert s.fsck().ok
+            tag_tmp = next(iter(live))
+            os.replace(tag_tmp, local / "refs" / "tags" / "keep")  # the writer's rename, after the repair
+            assert s.tags()["keep"] == ids[1]
+
+            writer.stdin.close()  # type: ignore[union-attr]
+            assert writer.wait(timeout=120) == 0
+            rep = s.fsck(repair=True)  # its writer gone, the annotation temp is debris now; ours is not
+            assert len([r for r in rep.repaired if r.startswith("removed leftover")]) == 1, rep.repaired
+            assert [t.exists() for t in live][1:] == [False, True]
+        finally:
+            s.close()
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait()
 
 
 KINDS = ["record", "manifest", "annotation", "ref", "catalog-record", "pack"]

@@ -183,13 +183,22 @@ def process_alive(host: str, pid: int) -> bool | None:
     return True
 
 
-def tmp_is_stale(path: Path, max_age_s: float = 3600.0) -> bool:
-    """True if a temp file's writer is dead (same host, pid gone) or it is older than `max_age_s`."""
+def tmp_writer(path: Path) -> tuple[str, int] | None:
+    """(host, pid) of the process that writes the temp file `path`, as its name says (`_tmp_path`); None for a
+    name that carries neither (a save's `<pack id>.pack.tmp`)."""
     parts = path.name.split(".")
     try:
-        host, pid = parts[-4], int(parts[-3])
-    except (IndexError, ValueError):
-        host, pid = "", -1
+        return (parts[-4], int(parts[-3])) if len(parts) >= 6 else None
+    except ValueError:
+        return None
+
+
+def tmp_is_stale(path: Path, max_age_s: float = 3600.0) -> bool:
+    """True if a temp file's writer is dead (same host, pid gone) or it is older than `max_age_s`.
+
+    A temp of a live process on this host is never stale, whatever its age (a pid reused since leaves a dead
+    writer's debris in place: kept, never a live writer's file deleted)."""
+    host, pid = tmp_writer(path) or ("", -1)
     alive = process_alive(host, pid)
     if alive is not None:
         return not alive
@@ -285,7 +294,11 @@ def write_new(final: Path, data: bytes | memoryview, direct: bool = False) -> bo
 def replace(final: Path, data: bytes) -> None:
     """Atomically replace (or create) a small mutable file such as a ref."""
     tmp = _write_tmp(final, data)
-    os.replace(tmp, final)
+    try:
+        os.replace(tmp, final)
+    except OSError as exc:  # never a temp left behind by a live process (fsck keeps those: see tmp_is_stale)
+        tmp.unlink(missing_ok=True)
+        raise_full_or(exc, final)
     fsync_dir(final.parent)
 
 

@@ -6,7 +6,7 @@ copy of it), annotation file and ref, and reports what is wrong and on which tie
 copy (one whose blake3 matches) on another tier or in the catalog; a damaged file with no intact
 copy is moved to `quarantine/` (report line in quarantine/report.jsonl) and its version is
 marked damaged; versions are never removed. It also removes debris of interrupted saves (temp
-files, packs and manifests no version names, only when every record and manifest could be read, and
+files whose writer is gone, packs and manifests no version names, only when every record and manifest could be read, and
 never a pack holding a chunk some manifest names: that pack is indexed again) and indexes complete
 records the catalog missed. A corrupt chunk is reported and its pack restored from another tier when
 one holds a good copy, never removed. A pack gone from every tier is reported with the versions that
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import blake3
 import numpy as np
 
-from ..base.files import copy_file, replace, tmp_is_stale, write_new
+from ..base.files import copy_file, replace, tmp_is_stale, tmp_writer, write_new
 from ..base.progress import progress
 from ..errors import CatalogDamagedError, DataStatesError, IntegrityError
 from ..meta.catalog import CommitBatch
@@ -265,10 +265,22 @@ def _note_quarantined_refs(tier: Tier, refs: RefStore, kind: str, rep: FsckRepor
 
 
 def _check_leftovers(store: Repository, rep: FsckReport, repair: bool) -> None:
+    """Temp files of interrupted writes: reported, and with repair removed, only when their writer is gone.
+
+    A temp whose name carries a host and pid (`files._tmp_path`: every `write_new`, `replace`, `copy_file` and
+    FileSink) is debris only when `tmp_is_stale` says so, on every tier. The writers lock fsck holds does not
+    make a node-local tier's temps debris: it keeps saves out, but refs (tag, branch, their deletion) and
+    annotations are written (`replace`) under the ref lock only, and a load promotes packs from cold
+    (`copy_file`) under no lock; deleting such a temp broke that writer's rename (a tag silently not made).
+    The pid rule covers every writer, present and future; making each take the writers lock instead would make
+    a tag wait for a whole gc or fsck, and miss the next writer added. A temp without host and pid is a save's
+    `<pack id>.pack.tmp`: on a node-local tier the writers lock proves its save is gone; on a shared tier
+    (another host's save) only its age does."""
     for tier in store.tiers:
         for p in tier.leftovers():
-            if tier.shared and not tmp_is_stale(p):
-                continue  # another host (or a live process) may be writing it right now
+            save_gone = not tier.shared and tmp_writer(p) is None  # a `.pack.tmp`, and no save runs
+            if not save_gone and not tmp_is_stale(p):
+                continue  # a live process (or another host) may be writing it right now
             where = f"{tier.name}:{p.relative_to(tier.root)}"
             if repair:
                 p.unlink(missing_ok=True)
