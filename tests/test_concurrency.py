@@ -6,7 +6,10 @@ start file so their saves overlap, and each save N versions on `main` with `pare
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -245,3 +248,59 @@ def test_a_catalog_another_process_is_making_is_waited_for_not_called_damaged(tm
     (c,) = got
     assert isinstance(c, Catalog) and c.version_count() == 0
     c.close()
+
+
+_READER = r"""
+import json, sys, threading
+import datastates as ds
+s = ds.Store.open(sys.argv[1], create=False)
+n, want = int(sys.argv[2]), float(sys.argv[3])
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()  # EOF on stdin: stop
+ok, failed = 0, {}
+first = True
+while first or not stop.is_set():
+    try:
+        got = float(s.load("main~5")["w"][0])
+        length = len(list(s.log("main")))
+        if (got, length) != (want, n):
+            raise AssertionError(f"read {(got, length)}, not {(want, n)}")
+        ok += 1
+    except Exception as exc:
+        key = f"{type(exc).__name__}: {str(exc)[:120]}"
+        failed[key] = failed.get(key, 0) + 1
+    if first:
+        first = False
+        print("READING", flush=True)  # the parent rebuilds from now on
+print(json.dumps({"ok": ok, "failed": failed}), flush=True)
+"""
+
+
+def test_a_catalog_rebuild_is_never_seen_half_done_by_a_reader_in_another_process(tmp_path: Path) -> None:
+    """Regression: `fsck --rebuild` emptied the catalog, then filled it again transaction by transaction, so a
+    process reading meanwhile (which takes no lock) was told that `main~5` is not in the catalog, or that the store
+    has no versions yet. Now the rebuild is one LMDB write transaction: a reader sees the old catalog or the new
+    one. The reader (another process) says when it reads; this process rebuilds five times, then closes the
+    reader's stdin (its signal to stop) and reads its counts."""
+    n = 30
+    s = ds.Store.open(tmp_path / "s", chunk_size=4096)
+    for i in range(n):
+        s.save({"w": torch.full((2048,), float(i))}, step=i)
+    reader = subprocess.Popen([sys.executable, "-c", _READER, str(tmp_path / "s"), str(n), str(float(n - 6))],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert reader.stdout is not None and reader.stdin is not None
+        assert reader.stdout.readline().strip() == "READING", reader.communicate(timeout=120)
+        for _ in range(5):
+            rep = s.fsck(rebuild=True)
+            assert rep.ok and rep.repaired == [f"rebuilt the catalog from files: {n} versions"], rep.to_dict()
+        out, err = reader.communicate("", timeout=120)  # closes its stdin: the reader stops
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+        s.close()
+    assert reader.returncode == 0, err
+    counts = json.loads(out)
+    assert counts["failed"] == {}
+    assert counts["ok"] > 0

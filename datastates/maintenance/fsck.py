@@ -71,13 +71,24 @@ def rebuild_catalog(store: Repository) -> int:
     Packs are byte-identical on every tier that holds them, so one location
     serves all. A version found on cold is marked resident there; one found
     only on hot is queued for flushing again.
+
+    Atomic for readers: the catalog is emptied and filled again in one LMDB write transaction
+    (`Catalog.rewrite`), so a process reading meanwhile (a training job's load, a server) sees the old catalog
+    or the rebuilt one, never one half empty (which said versions did not exist); a rebuild that fails leaves
+    the old catalog as it was.
     """
     store = as_repository(store)
-    cat = store.catalog
     try:  # annotations whose file was lost live on in the catalog: not rebuilt from files, they are kept
-        kept = cat.all_annotations()
+        kept = store.catalog.all_annotations()
     except Exception:  # a damaged catalog (the usual reason to rebuild) may not give them back
-        kept = {}
+        kept = {}  # (read in a transaction of its own: a failed read must not spoil the rebuild's)
+    with store.catalog.rewrite():
+        return _rebuild_catalog(store, kept)
+
+
+def _rebuild_catalog(store: Repository, kept: dict[str, dict[str, Any]]) -> int:
+    """`rebuild_catalog`'s work, inside its one transaction; `kept`: the annotations the catalog held."""
+    cat = store.catalog
     cat.clear()
     for tier in store.tiers:
         for path in progress(list(list_packs(tier.root / "packs")), f"rebuild: indexing {tier.name} packs",

@@ -48,6 +48,7 @@ def _forget_inherited() -> None:
     _INHERITED.update((key, env) for key, (env, _) in _OPEN.items())
     _OPEN.clear()
     _DB_HANDLES.clear()
+    _REWRITING.clear()  # the parent's transaction, not ours
     _OPEN_LOCK = threading.Lock()
 
 
@@ -180,6 +181,48 @@ class _Transaction:
             self._catalog._ended()
 
 
+class _Joined:
+    """The write transaction of a `Catalog.rewrite` in progress, as a method of the catalog called on the thread
+    that runs it sees it: with the table that method names as the default one (as `env.begin(db=...)` gives), and
+    ending nothing when the method's `with` ends (the rewrite commits or aborts it, once)."""
+
+    __slots__ = ("_txn", "_db")
+
+    def __init__(self, txn: lmdb.Transaction, db: Any) -> None:
+        self._txn, self._db = txn, db
+
+    def __enter__(self) -> Any:  # Any, as `_Transaction.__enter__`: the catalog's methods take it for one
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def _in(self, db: Any) -> Any:
+        return self._db if db is None else db
+
+    def get(self, key: bytes, default: Any = None, db: Any = None) -> Any:
+        return self._txn.get(key, default, db=self._in(db))
+
+    def put(self, key: bytes, value: bytes, *, overwrite: bool = True, db: Any = None) -> bool:
+        return bool(self._txn.put(key, value, overwrite=overwrite, db=self._in(db)))
+
+    def delete(self, key: bytes, value: bytes = b"", db: Any = None) -> bool:
+        return bool(self._txn.delete(key, value, db=self._in(db)))
+
+    def cursor(self, db: Any = None) -> Any:
+        return self._txn.cursor(db=self._in(db))
+
+    def stat(self, db: Any) -> Any:
+        return self._txn.stat(db)
+
+    def drop(self, db: Any, delete: bool = True) -> None:
+        self._txn.drop(db, delete=delete)
+
+
+_REWRITING: dict[str, tuple[int, lmdb.Transaction]] = {}
+"""Catalog key (real path) -> (thread id, write transaction) of the `Catalog.rewrite` running in this process."""
+
+
 class Catalog:
     """One process-wide handle per LMDB directory (LMDB forbids opening one twice)."""
 
@@ -259,12 +302,17 @@ class Catalog:
             _READ_ONLY.add(key)
         return env
 
-    def _begin(self, *, write: bool = False, db: Any = None) -> _Transaction:
+    def _begin(self, *, write: bool = False, db: Any = None) -> _Transaction | _Joined:
         """A transaction counted as in flight: `close` lets the LMDB file go only once the last one has ended.
         Raises StoreClosedError once `close` was called (a read racing the close of its store from another
-        thread gets that, never an lmdb.Error from a handle closed under it)."""
+        thread gets that, never an lmdb.Error from a handle closed under it). On the thread running a `rewrite`
+        of this catalog, that rewrite's transaction (LMDB allows one write transaction at a time: a second one
+        begun on that thread would wait for itself)."""
         if write and self.read_only:
             raise ReadOnlyStoreError(read_only_message(self.path.parent, self.unwritable))
+        joined = _REWRITING.get(self._key)
+        if joined is not None and joined[0] == threading.get_ident():
+            return _Joined(joined[1], db)
         with self._use:
             if self._closed:
                 raise StoreClosedError.of(self.path.parent)
@@ -637,11 +685,38 @@ class Catalog:
             txn.put(b"generation", str(self._generation(txn) + 1).encode(), db=self._db["meta"])
 
     def clear(self) -> None:
-        """Empty every table (before a rebuild)."""
+        """Empty every table (before a rebuild: see `rewrite`, which other processes never see half done)."""
         with self._begin(write=True) as txn:
+            generation = self._generation(txn)
             for name in _DBS:
                 txn.drop(self._db[name.decode()], delete=False)
             self._dropped_chunks(txn)
+            # Never back to a generation a process read before the clear: its versions-table cache, keyed by that
+            # number, would be taken for the new catalog's.
+            txn.put(b"generation", str(generation + 1).encode(), db=self._db["meta"])
+
+    @contextlib.contextmanager
+    def rewrite(self) -> Iterator[None]:
+        """Run the block's calls of this catalog, on this thread, in one write transaction, committed when the
+        block ends and aborted (the catalog unchanged) when it raises.
+
+        Other processes and threads read the catalog as it was before the block, or as it is after it, never
+        in between: a rebuild (`clear`, then every pack and record added again) is seen whole or not at all, where
+        readers of a catalog emptied and refilled transaction by transaction were told that versions do not
+        exist. Writers elsewhere wait for the block (LMDB's one writer at a time). Calls inside read what the
+        block wrote so far. LMDB spills a big transaction's dirty pages to the file, so millions of chunks fit;
+        the pages it frees are reused only after it commits, so the file may grow to about twice the catalog."""
+        me = threading.get_ident()
+        running = _REWRITING.get(self._key)
+        if running is not None and running[0] == me:
+            yield  # inside a rewrite already: part of it
+            return
+        with self._begin(write=True) as txn:  # (another thread's rewrite: LMDB makes this wait for its end)
+            _REWRITING[self._key] = (me, txn)
+            try:
+                yield
+            finally:
+                del _REWRITING[self._key]
 
 
 def _json_object(raw: bytes) -> dict[str, Any] | None:
