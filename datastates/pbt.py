@@ -105,8 +105,8 @@ class Population:
             head = m.head
             if head is not None:
                 m.hparams = dict(head.hparams)
+        self.renew()  # first: a lease refused (its file not written) leaves no protection behind in this process
         _LIVING.setdefault(id(store.repo), []).append(self)
-        self.renew()
         atexit.register(self.close)
 
     def renew(self) -> None:

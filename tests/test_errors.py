@@ -46,7 +46,8 @@ def filled(filled_template: Path, tmp_path: Path) -> Iterator[ds.Store]:
 # --------------------------------------------------------------------------- unknown refs
 @pytest.mark.parametrize("ref", ["nope", "0" * 64, "abcdef", "abcdef0123", "main~2", "main~1~1", "main^^",
                                  "side~1", "t1~5", "nope~1", "ABCDEF", "", "main~x",
-                                 "main~\uff11", "main~\u0661"])  # full-width and Arabic-Indic 1: not git's digits
+                                 "main~\uff11", "main~\u0661",  # full-width and Arabic-Indic 1: not git's digits
+                                 "main~1\n", "main^\n"])  # ($ matched before a newline: read as main~1)
 def test_unknown_ref_raises_not_found(filled: ds.Store, unchanged: Any, ref: str) -> None:
     with unchanged(filled):
         for call in (filled.resolve, filled.version, filled.load, filled.ls, lambda r: filled.tag("new", r),

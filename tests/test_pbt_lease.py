@@ -145,7 +145,7 @@ def test_a_leased_lineage_past_a_version_not_on_this_node_keeps_every_version(tm
         release(tmp_path / "cold", "pop")
 
 
-@pytest.mark.parametrize("name", ["sweep", "a/b.c-d_e"])
+@pytest.mark.parametrize("name", ["sweep", "a/b.c-d_e", "p" * 240])  # the longest name a member branch takes
 def test_population_close_releases_only_its_own_lease(tmp_path: Path, name: str) -> None:
     from datastates.meta import leases
     from datastates.pbt import Population
@@ -154,4 +154,5 @@ def test_population_close_releases_only_its_own_lease(tmp_path: Path, name: str)
         with Population(s, name, size=2):
             live, bad = leases.live(s.root)
             assert [lease.prefix for lease in live] == [f"{name}/"] and bad == []
+            assert all(len(p.name.encode()) <= 255 for p in (s.root / "leases").iterdir())
         assert leases.live(s.root) == ([], [])

@@ -206,6 +206,8 @@ def test_a_line_that_lost_its_branch_on_cold_survives_a_prune_on_another_host(tm
     vb2 = b.save(_state(8), step=8)
     assert b.flush(timeout=30)
     assert b.repo.cold_refs is not None and b.repo.cold_refs.get("branch", kept) == vb2.id  # moved, not made anew
+    assert b.flush(vb.id, timeout=30)  # an older version of the line flushed again (a tag queues one): no new name
+    assert [n for n in b.repo.cold_refs.names("branch") if n.startswith("main@")] == [kept]
     a.save(_state(3), step=3)
     assert a.flush(timeout=30)
     a.refresh()

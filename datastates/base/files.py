@@ -172,7 +172,7 @@ HOST = _HOST
 
 def process_alive(host: str, pid: int) -> bool | None:
     """Whether process `pid` of `host` runs; None when that cannot be told from here (another host)."""
-    if host != _HOST or pid <= 0:
+    if host not in (_HOST, _HOST[:60]) or pid <= 0:  # (temp names carry the first 60 characters: `_tmp_path`)
         return None
     try:
         os.kill(pid, 0)

@@ -64,7 +64,7 @@ def ref_conflicts(store: Repository) -> list[str]:
         if not is_ancestor(graph, there, here) and not is_ancestor(graph, here, there):
             out.append(f"branch {name!r} is at {here[:12]} here and at {there[:12]} on cold, on two lines; "
                        f"keep one: `datastates branch -f {name} {there[:12]}` takes cold's (or save under "
-                       "another branch name)")
+                       f"another branch name); cold keeps this line as branch {name}@HOST until you delete it")
     for name, here in sorted(store.refs.names("tag").items()):
         there = cold_tags.get(name)
         if there is not None and there != here:
@@ -272,9 +272,10 @@ class Flusher:
                 head = cold_refs.get("branch", name)
             except IntegrityError:
                 continue  # a damaged ref file (fsck reports it): never written over
-            if head == v.id:
-                return name
-            if head is None or (store.catalog.record(head) is not None and is_ancestor(store.graph, head, v.id)):
+            known = head is not None and store.catalog.record(head) is not None
+            if head == v.id or (known and is_ancestor(store.graph, v.id, head)):  # type: ignore[arg-type]
+                return name  # kept already: an older version of the line, flushed late (a tag queued it)
+            if head is None or (known and is_ancestor(store.graph, head, v.id)):
                 cold_refs.set_if_equals("branch", name, head, v.id, f"flush {v.short}: {v.branch} is on another "
                                         "line on cold", locked=True)
                 return name

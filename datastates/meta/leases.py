@@ -27,6 +27,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
+
 from ..base.files import make_dirs, replace
 
 LEASE_DIR = "leases"
@@ -63,9 +65,17 @@ def _safe(text: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "%" + format(ord(c), "02X") for c in text)
 
 
+def _stem(name: str) -> str:
+    """The part of a lease file's name that names the lease: `name` itself when short, else its first 100
+    characters and a digest of the whole (host and pid follow, and a file name holds 255 bytes; the JSON has the
+    full name)."""
+    safe = _safe(name)
+    return safe if len(safe) <= 100 else f"{safe[:100]}-{blake3.blake3(name.encode()).hexdigest()[:16]}"
+
+
 def _path(root: Path, name: str) -> Path:
     """This process's lease file for `name`."""
-    return root / LEASE_DIR / f"{_safe(name)}@{_safe(socket.gethostname())}-{os.getpid()}.json"
+    return root / LEASE_DIR / f"{_stem(name)}@{_safe(socket.gethostname())[:60]}-{os.getpid()}.json"
 
 
 def take(root: Path, name: str, prefix: str, ttl: float = DEFAULT_TTL) -> Lease:
@@ -84,10 +94,9 @@ def _drop_dead(folder: Path, name: str) -> None:
     """Remove the leases `name` left on this host by processes that are gone (killed: nothing released them),
     so that a file per process does not pile up run after run. Only this host's: whether another host's
     holder lives is not known here, and an expired lease it is renewing now must not be deleted under it."""
-    host = socket.gethostname()
-    for path in folder.glob(f"{_safe(name)}@{_safe(host)}-*.json"):
+    for path in folder.glob(f"{_stem(name)}@{_safe(socket.gethostname())[:60]}-*.json"):
         lease = _read(path)
-        if lease is not None and lease.pid != os.getpid() and lease.holder_gone():
+        if lease is not None and lease.name == name and lease.pid != os.getpid() and lease.holder_gone():
             path.unlink(missing_ok=True)
 
 

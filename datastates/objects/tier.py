@@ -199,7 +199,8 @@ class Tier:
         return self.root / "packs" / f"{pack}.pack"
 
     def leftovers(self) -> list[Path]:
-        """Temp files of interrupted writes (safe to delete when no save is running)."""
+        """Temp files of writes in progress or interrupted: debris only once their writer is gone (`fsck` asks
+        `files.tmp_is_stale`; a save's `.pack.tmp`, which names no writer, once no save runs)."""
         out: list[Path] = []
         for sub in ("packs", "manifests", "versions", "annotations", "refs", "tmp"):
             d = self.root / sub

@@ -49,7 +49,7 @@ from ..save.job import SaveHandle
 from ..save.manifest import Manifest
 
 log = logging.getLogger("datastates")
-_REF_SUFFIX = re.compile(r"^(.*?)((?:~[0-9]*|\^)+)$")  # ASCII digits: int() reads "~１" (full width) as ~1
+_REF_SUFFIX = re.compile(r"(.*?)((?:~[0-9]*|\^)+)")  # ASCII digits: int() reads "~１" (full width) as ~1
 _ID_PREFIX = re.compile(r"[0-9a-fA-F]{6,64}")  # what resolve reads as an id prefix (any case)
 
 
@@ -180,7 +180,7 @@ class Repository:
         if not isinstance(ref, str) or not ref:
             what = "is empty" if ref == "" else "is not a string"
             raise NotFoundError(f"ref {shown(ref)} {what}; give a version id, branch or tag")
-        m = _REF_SUFFIX.match(ref)
+        m = _REF_SUFFIX.fullmatch(ref)  # ($ would match before a trailing newline: 'main~1\n' read as main~1)
         if m and m.group(1):
             base, suffix = m.group(1), m.group(2)
             n = sum(int(x) if x else 1 for x in re.findall(r"~([0-9]*)", suffix)) + suffix.count("^")

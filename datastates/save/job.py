@@ -43,6 +43,9 @@ class SaveHandle:
         self._commit_lock = threading.Lock()
         self._abandoned = False
         self._committing = False
+        self.abandonable = True
+        """False for a collective save: every rank commits it together, so one rank cannot drop it (it copies the
+        state before its background reads it anyway)."""
         self.store: str | None = None
         """The store's directory, put into the command hints of what `result()` raises (as every `Store` method
         does): a hint pasted into a shell finds no store of its own."""
@@ -89,9 +92,10 @@ class SaveHandle:
         and the caller, back in control, may change them while the background still hashes and writes them, so
         the bytes written could differ from the ids they were hashed under. Committed, such a chunk made the
         version unloadable, and every later save of the same values reused it. Once the commit has begun every
-        byte was read, and the version is whole. An abandoned save's error is not raised again by the store."""
+        byte was read, and the version is whole. An abandoned save's error is not raised again by the store.
+        False, changing nothing, for a save that is not `abandonable` (a collective one)."""
         with self._commit_lock:
-            if self._committing:
+            if self._committing or not self.abandonable:
                 return False
             self._abandoned = self.delivered = True
             return True
