@@ -190,6 +190,45 @@ def test_unpicklable_with_allow_pickle(filled: ds.Store, unchanged: Any) -> None
         filled.save({"fn": lambda: 1}, allow_pickle=True)
 
 
+class FailingState(nn.Module):
+    """A module whose `state_dict()` raises once `fail` is set (a sharded model's gather that fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.fail = False
+
+    def state_dict(self, *args: Any, **kw: Any) -> Any:
+        if self.fail:
+            raise RuntimeError("boom in state_dict")
+        return super().state_dict(*args, **kw)
+
+
+@pytest.mark.parametrize("api", ["save", "save_async"])
+def test_a_state_dict_that_raises_is_named_by_its_key(filled: ds.Store, unchanged: Any, api: str) -> None:
+    """A `state_dict()` that raised came out as its bare RuntimeError, naming no key. Now an UnsupportedValueError
+    names the key path and the object's class, with the caller's error chained; nothing is written. Both in a
+    first flatten and in a save of the state kept from the one before (its walk, which takes the state again)."""
+    model = FailingState()
+    state = {"outer": {"model": model}, "t": torch.ones(2)}
+    call = filled.save if api == "save" else filled.save_async
+    model.fail = True
+    with unchanged(filled), pytest.raises(ds.UnsupportedValueError) as first:
+        call(state)
+    model.fail = False
+    filled.save(state, branch="kept")  # the flatten kept for the next save of this state
+    model.fail = True
+    with unchanged(filled), pytest.raises(ds.UnsupportedValueError) as again:
+        call(state)
+    for raised in (first, again):
+        assert str(raised.value).startswith("outer.model (FailingState): its state_dict() raised RuntimeError: "
+                                            "boom in state_dict")
+        assert isinstance(raised.value.__cause__, RuntimeError) and str(raised.value.__cause__) == "boom in state_dict"
+    model.fail = False
+    assert torch.equal(filled.load(filled.save(state, branch="kept"))["outer"]["model"]["lin.weight"],
+                       model.lin.weight.detach())
+
+
 # --------------------------------------------------------------------------- store format
 def _format(path: Path) -> dict[str, Any]:
     return dict(json.loads((path / "FORMAT").read_text()))

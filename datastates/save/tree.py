@@ -248,7 +248,11 @@ class Flattener:
             return {"t": type(v).__name__, "v": vals}
         sd = getattr(v, "state_dict", None)
         if callable(sd) and not isinstance(v, type):
-            node = self._node(_state_of(v), path, depth + 1)
+            try:
+                state = _state_of(v)
+            except Exception as exc:  # the caller's code: said with the key it was saving, as a pickle error is
+                raise _state_dict_error(path, v, exc) from exc
+            node = self._node(state, path, depth + 1)
             if isinstance(v, torch.nn.Module):
                 _as_detached(node)
             return {**node, "from": _class_name(v)}
@@ -353,6 +357,32 @@ def _state_of(obj: Any) -> Any:
     return obj.state_dict()
 
 
+def _state_dict_error(path: str, obj: Any, exc: Exception) -> UnsupportedValueError:
+    """The error for an object whose `state_dict()` raised `exc` while saving it at key path `path`."""
+    return UnsupportedValueError(f"{path or '<state>'} ({type(obj).__name__}): its state_dict() raised "
+                                 f"{type(exc).__name__}: {exc}; nothing was saved")
+
+
+class _StateDictRaised(Exception):
+    """A `state_dict()` that raised in `_walk`, on its way up to `_walk_state`: each container on the way puts in
+    its key, so the key path is made only for the error and a walk that succeeds pays nothing for it."""
+
+    def __init__(self, obj: Any, exc: Exception) -> None:
+        super().__init__()
+        self.obj, self.exc = obj, exc
+        self.keys: list[str] = []
+        """The key path's segments, innermost first."""
+
+
+def _walk_state(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | None = None) -> dict[str, Any] | None:
+    """`_walk`; raises UnsupportedValueError naming the key path (the cause chained) for a `state_dict()` that
+    raised, as `flatten` does."""
+    try:
+        return _walk(v, node, out, plain)
+    except _StateDictRaised as raised:
+        raise _state_dict_error(".".join(reversed(raised.keys)), raised.obj, raised.exc) from raised.exc
+
+
 def _as_detached(node: dict[str, Any]) -> None:
     """Drop the parameter and requires-grad marks of the tensors under `node` (a module's state): they are
     saved, and loaded back, as `state_dict()` gives them, detached."""
@@ -393,7 +423,10 @@ def _walk(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | None =
     if "from" in node:  # an object saved through its `state_dict()`: walked through it, as `flatten` does
         if _class_name(v) != node["from"]:
             return None
-        v = _state_of(v)
+        try:
+            v = _state_of(v)
+        except Exception as exc:
+            raise _StateDictRaised(v, exc) from exc
     new = _walk_node(v, node, out, plain)
     if new is None and plain is not None and id(node) in plain:
         # Compared first, made anew only when changed: an AdamW's state dict with 8,000 parameter indices took
@@ -448,12 +481,17 @@ def _walk_node(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | N
         return None
     children = []
     changed = False
-    for x, child in zip(vals, node["v"]):
-        new = _walk(x, child, out, plain)
-        if new is None:
-            return None
-        changed = changed or new is not child
-        children.append(new)
+    try:
+        for x, child in zip(vals, node["v"]):
+            new = _walk(x, child, out, plain)
+            if new is None:
+                return None
+            changed = changed or new is not child
+            children.append(new)
+    except _StateDictRaised as raised:
+        at = len(children)  # the child that raised (no index kept while walking: this is the error's cost only)
+        raised.keys.append(str(list(v)[at]) if t in ("dict", "odict") else str(at))
+        raise
     return {**node, "v": children} if changed else node
 
 
@@ -605,7 +643,7 @@ class _Flattened:
         With `committed` (rows by key; rows given with no `defer`), a tensor whose row there has the signature
         its fresh row would have gets that row itself, not a new one (`_rows`)."""
         tensors: list[torch.Tensor] = []
-        tree = _walk(state, self.tree, tensors, self.plain)
+        tree = _walk_state(state, self.tree, tensors, self.plain)
         if tree is None or len(tensors) != self.count:
             return None
         if self.refs is not None:
@@ -775,7 +813,7 @@ class FlattenCache:
         if (same or (again and all(e.kind != "storage" for e in f.entries))) and _cacheable(tree):
             tensors: list[torch.Tensor] = []
             # conj/neg views are saved through a resolved copy: the same object, but no reusable row.
-            if _walk(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
+            if _walk_state(state, tree, tensors) is tree and all(a is b for a, (_, b) in zip(tensors, f._tensors)):
                 self._last = _Flattened(tree, f, tensors, self._forget if same else None)
                 return tree, f.entries, None, self._last.encoded, None
         return tree, f.entries, None, None, None
