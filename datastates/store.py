@@ -329,7 +329,12 @@ class Store(Queries):
             ) from errors[0]
 
     def wait(self) -> None:
-        """Block until every save in flight is durable; raise SaveFailedError if any failed."""
+        """Block until every save in flight is durable; raise SaveFailedError if any failed.
+
+        Raises StoreClosedError once close() has started (the saves in flight are close()'s to finish; call it
+        again if it was interrupted), and in a forked child, whose process runs none of the parent's saves (it
+        would wait for ever)."""
+        self._check_open()
         self.pipeline.wait()
         self._raise_pending()
 
@@ -589,7 +594,8 @@ class Store(Queries):
     def tiers_status(self) -> list[dict[str, Any]]:
         """Per tier: path, bytes in packs, capacity, pack count, reachability; and the flush backlog, its last error
         and the refs this node and cold disagree on for good (`ref_conflicts`, read from the refs: any process
-        sees them, not only the one whose flush met them)."""
+        sees them, not only the one whose flush met them). Raises StoreClosedError after close()."""
+        self.repo.check_readable()
         out = self.repo.objects.usage()
         if self.flusher is not None:
             out[-1].update({"backlog": self.flusher.backlog, "last_error": self.flusher.last_error,
@@ -644,6 +650,8 @@ class Store(Queries):
         return self.repo.delete_ref("tag", name)
 
     def reflog(self, name: str, kind: str = "branch") -> list[dict[str, object]]:
+        """The moves of branch (or tag, `kind="tag"`) `name`, oldest first. Raises StoreClosedError after close()."""
+        self.repo.check_readable()  # the refs are files, readable after close(): a closed store answers nothing
         return self.refs.reflog(kind, name)  # type: ignore[arg-type]
 
     def fork(self, ref: Any, *, branch: str | None, parents: Sequence[Any] | None = None,
@@ -676,9 +684,15 @@ class Store(Queries):
 
     # loading -----------------------------------------------------------------------
     def manifest(self, mid: str) -> Manifest:
+        """Manifest `mid`, verified. Raises StoreClosedError after close() (not NotFoundError: the manifest may well
+        be there), NotFoundError, IntegrityError."""
+        self.repo.check_readable()
         return self.repo.manifest(mid)
 
     def manifest_of(self, v: Version, rank: int | str = 0) -> Manifest:
+        """The manifest of rank `rank` of version `v`. Raises StoreClosedError after close(), PrunedError,
+        NotFoundError."""
+        self.repo.check_readable()
         return self.repo.manifest_of(v, rank)
 
     def ls(self, ref: Any = "main", rank: int = 0) -> list[TensorInfo]:

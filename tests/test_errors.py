@@ -334,6 +334,20 @@ def test_every_read_of_a_closed_store_says_it_is_closed(tmp_path: Path) -> None:
             read()
 
 
+def test_wait_reflog_tiers_status_and_manifests_of_a_closed_store_say_it_is_closed(tmp_path: Path) -> None:
+    """After close(), wait(), reflog() and tiers_status() answered as if the store were open, and manifest(id) raised
+    NotFoundError for a manifest that is there."""
+    s = ds.Store.open(tmp_path / "s")
+    v = s.save({"w": torch.ones(3)}, step=1)
+    mid = v.manifests["0"]
+    assert s.manifest(mid).info()[0].key == "w"
+    s.close()
+    for call in (s.wait, lambda: s.reflog("main"), s.tiers_status, lambda: s.manifest(mid),
+                 lambda: s.manifest_of(v)):
+        with pytest.raises(ds.StoreClosedError, match="is closed; open it again with Store.open"):
+            call()
+
+
 def test_maintenance_of_a_closed_store_says_it_is_closed(tmp_path: Path) -> None:
     """Store.fsck() after close raised lmdb.Error."""
     s = ds.Store.open(tmp_path / "s")
