@@ -153,7 +153,8 @@ class Store(Queries):
     """A versioned model-state store rooted at a directory. Use `Store.open`.
 
     A process forked from the one that opened it (a DataLoader or multiprocessing worker) does not share its
-    threads or its catalog: there every call raises StoreClosedError, and so does opening the store again (LMDB
+    threads or its catalog: there every call raises StoreClosedError (`wait()` too, and the `result()` of the
+    parent's save handles: those saves run and commit in the parent), and so does opening the store again (LMDB
     allows one open of a file per process, and the parent's is inherited: use a 'spawn' process), and the child's
     exit waits for none of the parent's saves."""
 

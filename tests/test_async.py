@@ -749,7 +749,7 @@ pid = os.fork()
 if pid == 0:  # exits through the interpreter's normal shutdown, as a multiprocessing or DataLoader worker does
     import faulthandler
     faulthandler.dump_traceback_later(60, exit=True)  # a hang ends in exit status 1, not in a hung test
-    for call in (lambda: st.save({"w": torch.zeros(3)}), lambda: st.load("main"), st.log):
+    for call in (lambda: st.save({"w": torch.zeros(3)}), lambda: st.load("main"), st.log, st.wait, h.result):
         try:
             call()
             print("child: no error")
@@ -771,16 +771,16 @@ st.close()
 
 def test_a_forked_child_neither_hangs_at_exit_nor_uses_the_parents_store(tmp_path: Path) -> None:
     """A child forked while a save was in flight (a DataLoader or multiprocessing worker) hung at exit: the store's
-    exit hook waited for a pipeline thread the child does not have; a save in the child blocked for ever. The
-    child now refuses the store (StoreClosedError), and an open of it there too (reopened, it got the parent's
-    LMDB environment; closing that one would have reset the parent's reader slots); it exits, and the parent's
-    save lands."""
+    exit hook waited for a pipeline thread the child does not have; a save in the child blocked for ever, and so did
+    `wait()` and the parent's handle's `result()` there. The child now refuses the store and the handle
+    (StoreClosedError), and an open of it there too (reopened, it got the parent's LMDB environment; closing that
+    one would have reset the parent's reader slots); it exits, and the parent's save lands."""
     script = tmp_path / "fork_child.py"
     script.write_text(_FORK_CHILD)
     out = subprocess.run([sys.executable, str(script), str(tmp_path / "s")], capture_output=True, text=True,
                          timeout=120, cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == ["child: StoreClosedError True"] * 3 + ["child: reopen refused True",
+    assert out.stdout.splitlines() == ["child: StoreClosedError True"] * 5 + ["child: reopen refused True",
                                                                               "parent: 0 1 [1]"]
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..base.collector import paused
-from ..errors import DataStatesError, SaveFailedError, name_store
+from ..errors import DataStatesError, SaveFailedError, StoreClosedError, name_store
 from ..objects.chunks import ChunkLocation
 from ..objects.packs import PackWriter
 from .buffers import Slot
@@ -31,6 +32,10 @@ class SaveHandle:
     `staged` becomes true once the state's bytes are copied (the caller may
     mutate the tensors from then on); `result()` returns the Version once it
     is durable and committed, or raises what the background raised.
+
+    In a process forked from the one that saved (a DataLoader or multiprocessing worker), `result()`,
+    `exception()`, `wait_staged()` and `flushed()` raise StoreClosedError: the save runs, and commits, in the
+    parent; the child has none of its threads, and would wait for ever.
     """
 
     def __init__(self) -> None:
@@ -49,6 +54,7 @@ class SaveHandle:
         self.store: str | None = None
         """The store's directory, put into the command hints of what `result()` raises (as every `Store` method
         does): a hint pasted into a shell finds no store of its own."""
+        self._pid = os.getpid()
         self.delivered = False
         """True once `result()` raised this save's error or `exception()` returned it: the store then does not
         raise it again at the next call."""
@@ -58,7 +64,9 @@ class SaveHandle:
         return self._staged.is_set()
 
     def wait_staged(self, timeout: float | None = None) -> bool:
-        """Block until the tensors are copied; True if they are. Raises a capture error."""
+        """Block until the tensors are copied; True if they are. Raises a capture error, and StoreClosedError in
+        a forked child."""
+        self._check_process()
         ok = self._staged.wait(timeout)
         if self._capture_error is not None:
             raise self._named(SaveFailedError(f"save failed while copying the state: {self._capture_error!r}")) \
@@ -69,7 +77,9 @@ class SaveHandle:
         return self._done.is_set()
 
     def result(self, timeout: float | None = None) -> Version:
-        """The committed Version. Raises SaveFailedError (cause chained) or TimeoutError."""
+        """The committed Version. Raises SaveFailedError (cause chained) or TimeoutError; StoreClosedError in a
+        process forked from the one that saved."""
+        self._check_process()
         if not self._done.wait(timeout):
             raise TimeoutError(f"save not durable after {timeout} s; call result() again to keep waiting")
         if self._error is not None:
@@ -81,6 +91,9 @@ class SaveHandle:
         return self._version
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The save's error once it is finished (None if it committed). Raises TimeoutError; StoreClosedError in
+        a forked child."""
+        self._check_process()
         if not self._done.wait(timeout):
             raise TimeoutError(f"save not finished after {timeout} s")
         self.delivered = True
@@ -107,6 +120,14 @@ class SaveHandle:
             self._committing = not self._abandoned
             return self._committing
 
+    def _check_process(self) -> None:
+        # Even for a save that was done at the fork: one answer whatever the timing, as every Store call gives there.
+        if os.getpid() != self._pid:
+            raise self._named(StoreClosedError(
+                f"this save belongs to process {self._pid}, which this one was forked from: it runs and commits "
+                "there, and this process has none of its threads (it would wait for ever). Wait for it in that "
+                "process"))
+
     def _named(self, exc: DataStatesError) -> DataStatesError:
         if self.store is not None:
             name_store(exc, self.store)
@@ -118,7 +139,7 @@ class SaveHandle:
         return self._version.id if self._version else None
 
     def flushed(self, timeout: float | None = None) -> bool:
-        """Wait until the version is durable on the cold tier too; True if it is."""
+        """Wait until the version is durable on the cold tier too; True if it is. Raises what `result()` raises."""
         v = self.result(timeout)
         if self._flushed is None:
             return True
