@@ -178,7 +178,8 @@ class Store(Queries):
         self._saver = Saver(self._commit, self._dedup, self.tier.new_pack, self.tier.writing,
                             chunk_size=repo.chunk_size, pool_bytes=pool_bytes, workers=workers,
                             zstd_level=zstd_level, on_error=self._record_error,
-                            chunk_drops=self.catalog.chunk_drops if self.cold is None else None)
+                            chunk_drops=self.catalog.chunk_drops if self.cold is None else None,
+                            closed_error=partial(StoreClosedError.of, repo.path))
         self._readers = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="datastates-read")
         self._atexit = at_exit(self, Store._drain_at_exit)
 
@@ -428,7 +429,9 @@ class Store(Queries):
         InvalidNameError, InvalidArgumentError (an `optimizer` that is none),
         NotFoundError for unknown parents, ConflictError (see
         `force`), SaveFailedError for an earlier failed background save whose handle nobody asked (`result()`,
-        `exception()`). On several ranks, a refusal on one rank (a typo in a keyword included) is every rank's.
+        `exception()`), StoreClosedError once close() has begun, on any thread (also when it begins while this call
+        takes the state's `state_dict()`s: nothing is queued, no optimizer hook is left). On several ranks, a
+        refusal on one rank (a typo in a keyword included) is every rank's.
         """
         t_call = time.perf_counter()
         try:

@@ -567,6 +567,56 @@ def test_lazy_saves_share_one_capture_thread_that_close_ends(tmp_path: Path) -> 
     assert capturers() == []
 
 
+class _SlowStateDict(torch.nn.Linear):
+    """A module whose `state_dict()` (run by `save_async` on the saving thread) says it started, then waits until
+    the test has closed the store on another thread: a sharded model's gather, slow."""
+
+    def __init__(self, entered: threading.Event, closed: threading.Event) -> None:
+        super().__init__(4, 4)
+        self.entered, self.closed = entered, closed
+
+    def state_dict(self, *args: Any, **kw: Any) -> Any:
+        self.entered.set()
+        self.closed.wait(WAIT)
+        return super().state_dict(*args, **kw)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_a_save_racing_close_on_another_thread_is_refused_and_leaves_nothing_waiting(tmp_path: Path,
+                                                                                      lazy: bool) -> None:
+    """save_async checks that the store is open before flattening, which runs the caller's code. A close() on
+    another thread meanwhile let it queue its job after the pipeline had stopped: its result() waited for ever;
+    lazily, the shut capture thread raised an untyped RuntimeError after the optimizer's step hook was in, and the
+    next step() waited for ever. Now StoreClosedError, nothing queued, no hook."""
+    entered, closed = threading.Event(), threading.Event()
+    model = _SlowStateDict(entered, closed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    n_hooks = len(opt._optimizer_step_pre_hooks)
+    s = Store.open(tmp_path / "store", chunk_size=CHUNK)
+    v0 = s.save({"w": torch.zeros(4)}, step=0)
+    out: dict[str, Any] = {}
+
+    def save() -> None:
+        try:
+            out["handle"] = s.save_async({"model": model}, step=1, lazy=lazy, optimizer=opt if lazy else None)
+        except Exception as exc:
+            out["error"] = exc
+
+    saver = threading.Thread(target=save)
+    saver.start()
+    assert entered.wait(WAIT)
+    s.close()
+    closed.set()
+    saver.join(WAIT)
+    assert "handle" not in out and isinstance(out.get("error"), StoreClosedError), out
+    assert len(opt._optimizer_step_pre_hooks) == n_hooks
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()  # nothing to wait for
+    with _store(tmp_path) as s2:
+        assert [v.id for v in s2.log()] == [v0.id]
+        assert s2.fsck().ok
+
+
 def test_context_manager_exit_waits_for_saves_in_flight(tmp_path: Path) -> None:
     state = _plain_state(16, 4, MiB // 2)
     snap = _snapshot(state)

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..errors import ConflictError, SaveFailedError
+from ..errors import ConflictError, SaveFailedError, StoreClosedError
 from ..objects.chunks import CODEC_ZSTD, chunk_id
 from ..objects.packs import PackWriter
 from .buffers import BufferPool, Piece, Slot
@@ -230,6 +230,7 @@ class Pipeline:
         self._workers = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="datastates-hash",
                                            initializer=torch.set_num_threads, initargs=(1,))
         self._inflight = 0
+        self._stopped = False
         self.written_fraction = 1.0
         """Of the bytes of the last finished job's slots, the fraction its writer wrote (chunks not stored yet):
         `window_weight`'s guess for the start of the next one."""
@@ -238,7 +239,11 @@ class Pipeline:
         self._thread.start()
 
     def submit(self, job: SaveJob) -> None:
+        """Queue `job`. Raises StoreClosedError once `stop` has drained the pipeline: no thread would ever take it
+        (its handle would never finish)."""
         with self._cv:
+            if self._stopped:
+                raise StoreClosedError("the save pipeline was stopped (its store is closed); nothing was queued")
             self._inflight += 1
         self._jobs.put(job)
 
@@ -249,7 +254,12 @@ class Pipeline:
                 self._cv.wait()
 
     def stop(self) -> None:
-        self.wait()
+        """Wait for every job, refuse new ones (`submit`), then end the thread and the workers. Interrupted while
+        it waits (KeyboardInterrupt), the jobs go on and the pipeline still takes new ones; call it again."""
+        with self._cv:
+            while self._inflight:
+                self._cv.wait()
+            self._stopped = True  # in the same hold of the lock as the count found 0: no job slips in between
         self._jobs.put(None)
         self._thread.join()
         self._workers.shutdown()

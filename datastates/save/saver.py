@@ -21,6 +21,7 @@ import torch
 
 from ..base.collector import paused
 from ..base.comm import Comm
+from ..errors import StoreClosedError
 from ..objects.packs import PackWriter
 from .buffers import BufferPool
 from .capture import CaptureOrder, CudaStaging, capture
@@ -41,9 +42,11 @@ class Saver:
                  new_pack: Callable[[], PackWriter], guard: Callable[[], AbstractContextManager[None]], *,
                  chunk_size: int, pool_bytes: int, workers: int, zstd_level: int,
                  on_error: Callable[[SaveJob, BaseException], None],
-                 chunk_drops: Callable[[], bytes] | None = None) -> None:
+                 chunk_drops: Callable[[], bytes] | None = None,
+                 closed_error: Callable[[], Exception] = StoreClosedError) -> None:
         """`chunk_drops`: the catalog's `Catalog.chunk_drops` where nothing but a drop from the index removes a
-        chunk (no tiers), else None (see `Pipeline.chunk_drops`)."""
+        chunk (no tiers), else None (see `Pipeline.chunk_drops`). `closed_error`: makes what `submit` and `reserve`
+        raise once `stop` has begun (the store's StoreClosedError)."""
         watch_fused_steps()  # before any save this store could reuse
         self.chunk_size = chunk_size
         self.dedup = dedup
@@ -54,6 +57,9 @@ class Saver:
         self.memory = SaveMemory()
         self._capture_order = CaptureOrder()
         self._order_lock = threading.Lock()
+        self._stopped = False
+        """Set by `stop`, under `_order_lock`: nothing is queued from then on."""
+        self._closed_error = closed_error
         # One thread for every lazy save's capture, started on first use: captures run one at a time in
         # submission order anyway (`CaptureOrder`), and starting a thread per save cost half of a lazy
         # `save_async` of `cnn` (238 tensors: 4.2 -> 2.0 ms, alternated save by save).
@@ -71,7 +77,9 @@ class Saver:
         With a communicator of several ranks the save is collective (see `save.collective`): every
         rank must call it, in the same order. Raises UnsupportedValueError (from flatten), and for a
         collective save InvalidArgumentError when the replicated entries differ across ranks, before
-        anything is queued. `commit_comm`: the communicator the pipeline thread commits a collective save on, a
+        anything is queued, and StoreClosedError once `stop` has begun (the store checks before flattening, but
+        flattening runs the caller's code, e.g. a slow `state_dict()`, while another thread may close it).
+        `commit_comm`: the communicator the pipeline thread commits a collective save on, a
         duplicate of `comm` (each thread's collectives then follow that thread's order, the same on every rank)."""
         # Flatten and capture allocate ~10 objects per tensor: collections took ~30 % of the CPU of a sync save
         # of 8,000 small tensors (docs/perf-notes.md). Deliberately not held until a sync save is durable: the
@@ -121,15 +129,20 @@ class Saver:
         cuda = self._staging_for(plans.devices if plans is not None else
                                  [e.device for e in job.entries if e.source is not None])
         with self._order_lock:
+            # Checked under the lock `stop` takes to set it: a job queued after the pipeline stopped never finished
+            # (its handle's result() waited for ever), and a lazy one's capture was refused by the shut capturer.
+            if self._stopped:
+                raise self._closed_error()
             # Taken last, once nothing can refuse the save: a ticket never captured stops every later capture.
             # Under one lock with the submit, so that the pipeline's order is the captures' order whatever threads
             # call.
             job.ticket = self._capture_order.ticket()
             self.pipeline.submit(job)
         if lazy:
-            if optimizer is not None:
-                self._wait_before_step(optimizer, handle)
             self._capturer.submit(self._capture_quietly, job, cuda, plans)
+            if optimizer is not None:
+                # Once the capture is sure to run: a hook waiting for a capture that never runs blocks every step.
+                self._wait_before_step(optimizer, handle)
         else:
             # A sync save (overlap: the caller waits for durability) reads big host tensors in place.
             # A sync save's copies race its hashing workers for the cores, and a faster capture only fills more of
@@ -150,10 +163,17 @@ class Saver:
                     if step.borrowed is None)
         # On the capture thread: a lazy save submitted after this captures once the slots exist, not beside
         # the allocation.
-        return self._capturer.submit(self.pool.grow, slots)
+        with self._order_lock:  # (`stop` shuts the capture thread down only after setting `_stopped` under it)
+            if self._stopped:
+                raise self._closed_error()
+            return self._capturer.submit(self.pool.grow, slots)
 
     def stop(self) -> None:
-        """Finish every job in flight, then end the pipeline's, the capture's and the copier's threads."""
+        """Refuse new saves (`submit` raises StoreClosedError), finish every job in flight, then end the pipeline's,
+        the capture's and the copier's threads. Interrupted (KeyboardInterrupt), the jobs go on; calling it again
+        waits for them and ends the threads."""
+        with self._order_lock:
+            self._stopped = True
         self.pipeline.stop()  # (a job's lazy capture runs on `_capturer` meanwhile: the job needs it to finish)
         self._capturer.shutdown(wait=True)
         self.copier.stop()
