@@ -175,6 +175,7 @@ class Store(Queries):
         self._errors: list[tuple[SaveHandle, BaseException]] = []
         self._lock = threading.Lock()
         self._table: tuple[Any, Any] | None = None
+        self._closing = threading.Lock()
         self._saver = Saver(self._commit, self._dedup, self.tier.new_pack, self.tier.writing,
                             chunk_size=repo.chunk_size, pool_bytes=pool_bytes, workers=workers,
                             zstd_level=zstd_level, on_error=self._record_error,
@@ -341,32 +342,44 @@ class Store(Queries):
         self._raise_pending()
 
     def close(self, raise_errors: bool = True) -> None:
-        """Finish the saves in flight, then release files. Raises SaveFailedError if one failed."""
-        if self.repo.closed:
-            return
-        if os.getpid() != self.repo.pid:
-            # A forked child: the threads and files are the parent's (closing LMDB here would drop the parent's
-            # reader slots). Nothing of the child's to finish: it could not save (StoreClosedError).
-            self.repo.closed = self.repo.released = True
-            return
-        self.repo.closed = True
-        try:
+        """Finish the saves in flight (and the flusher's backlog), then release the files.
+
+        From the start of the call, every call that begins something (save, wait, ...) raises StoreClosedError.
+        Raises SaveFailedError if a save failed (unless `raise_errors=False`). Interrupted while it waits for the
+        saves (a KeyboardInterrupt, raised to the caller), it lets them go on with the files open: they commit in
+        the background, and a second close() waits for them and releases the files, as the process's exit does if
+        nothing calls it. Closing a closed store does nothing."""
+        # One close at a time: a second (another thread's) waits for the first, then finds the files released.
+        with self._closing:
+            if self.repo.released:
+                return
+            if os.getpid() != self.repo.pid:
+                # A forked child: the threads and files are the parent's (closing LMDB here would drop the parent's
+                # reader slots). Nothing of the child's to finish: it could not save (StoreClosedError).
+                self.repo.closed = self.repo.released = True
+                return
+            self.repo.closed = True
             self._saver.flattener.clear()  # no reference to the caller's storages outlives the store
+            # Not in a `finally`: interrupted here, the pipeline may still be writing and committing saves the caller
+            # was told were taken (their copies made); closing the files under it lost every one of them and left
+            # half-made versions. They go on; a second close() (or the exit's drain) comes back here.
             self._saver.stop()
             if self.flusher is not None:
                 self.flusher.stop(drain=True)
-        finally:
             atexit.unregister(self._atexit)  # harmless if it was registered with threading instead
-            # The files first: a load on another thread then fails with StoreClosedError at its next read,
-            # never with the executor's RuntimeError for work submitted after its shutdown.
-            self.repo.close()
-            self._readers.shutdown()
+            try:
+                # The files first: a load on another thread then fails with StoreClosedError at its next read,
+                # never with the executor's RuntimeError for work submitted after its shutdown.
+                self.repo.close()
+            finally:
+                self._readers.shutdown()
         if raise_errors:
             self._raise_pending()
 
     def _drain_at_exit(self) -> None:
-        # A process exiting with saves in flight finishes them rather than losing them silently.
-        if not self.repo.closed:
+        # A process exiting with saves in flight finishes them rather than losing them silently (and so after a
+        # close() that a KeyboardInterrupt cut short: the saves still run, the files are still open).
+        if not self.repo.released:
             self.close(raise_errors=False)
 
     # saving --------------------------------------------------------------------

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.procs import SAVER, Lines, Zygote
 from helpers.states import CRASH_CHUNK, crash_state, state_digest
 
@@ -165,3 +166,77 @@ def test_die_at_each_commit_step(zygote: Zygote, tmp_path: Path, point: str) -> 
         assert v.parents == (head.id,)
         assert state_digest(s.load("main")) == oracle.digest(2)
         assert s.fsck().ok
+
+
+_INTERRUPTED_CLOSE = r"""
+import faulthandler, sys, threading, torch
+import datastates as ds
+from datastates.objects.tier import Tier
+from datastates.save.pipeline import Pipeline
+
+faulthandler.dump_traceback_later(120, exit=True)  # a hang ends in exit status 1, not in a hung test
+path, mode = sys.argv[1], sys.argv[2]
+gate = threading.Event()
+write_record = Tier.write_record
+def held(self, vid, data):  # the saves stay in flight until the close() is interrupted
+    gate.wait()
+    write_record(self, vid, data)
+stop = Pipeline.stop
+def announced(self):  # close() has begun (the store refuses new calls) and waits for the saves here
+    print("DRAINING", flush=True)
+    stop(self)
+Pipeline.stop = announced
+st = ds.Store.open(path)
+st.save({"w": torch.zeros(4)}, step=0)
+Tier.write_record = held
+handles = [st.save_async({"w": torch.full((1 << 16,), float(i))}, step=i) for i in range(1, 7)]
+try:
+    st.close()
+    print("close returned")
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    gate.set()
+    if mode == "die":
+        raise  # the process exits with the saves in flight: its exit drains them
+    print("second close", st.close())
+    for h in handles:
+        print("handle", h.result().step)
+"""
+
+
+@pytest.mark.parametrize("mode", ["catch", "die"])
+def test_ctrl_c_during_close_keeps_the_saves_in_flight(tmp_path: Path, mode: str) -> None:
+    """A SIGINT while close() waited for six saves whose copies were taken: close() had marked the store closed,
+    and its `finally` closed the files under the running pipeline: a second close() did nothing, every handle raised
+    StoreClosedError, only step 0 was in the store, sometimes with a half-made version. Now the interrupted close()
+    raises the KeyboardInterrupt and leaves the saves going with the files open; a second close() (or the exit's
+    drain, when the interrupt ends the process) waits for them: every step is committed, and fsck finds nothing."""
+    path = tmp_path / "store"
+    script = tmp_path / "interrupted_close.py"
+    script.write_text(_INTERRUPTED_CLOSE)
+    proc = subprocess.Popen([sys.executable, str(script), str(path), mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert proc.stdout is not None
+        lines = []
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            if lines == ["DRAINING"]:  # the first close() only
+                proc.send_signal(signal.SIGINT)
+        err = proc.stderr.read() if proc.stderr is not None else ""
+    finally:
+        proc.kill()
+        proc.wait()
+    if mode == "catch":
+        assert proc.returncode == 0, err
+        assert lines == ["DRAINING", "interrupted", "DRAINING", "second close None"] + [
+            f"handle {i}" for i in range(1, 7)]
+    else:
+        assert proc.returncode == -signal.SIGINT, err
+        assert lines[:2] == ["DRAINING", "interrupted"] and "KeyboardInterrupt" in err
+    with ds.Store.open(path) as s:
+        assert [v.step for v in s.log()] == [6, 5, 4, 3, 2, 1, 0]
+        for v in s.log()[:-1]:
+            assert torch.equal(s.load(v)["w"], torch.full((1 << 16,), float(v.step)))
+        assert s.fsck().ok
+        assert s.tier.leftovers() == []
