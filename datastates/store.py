@@ -342,7 +342,7 @@ class Store(Queries):
         self._raise_pending()
 
     def close(self, raise_errors: bool = True) -> None:
-        """Finish the saves in flight (and the flusher's backlog), then release the files.
+        """Finish the saves in flight (and the flusher's backlog), then release the files and the staging buffers.
 
         From the start of the call, every call that begins something (save, wait, ...) raises StoreClosedError.
         Raises SaveFailedError if a save failed (unless `raise_errors=False`). Interrupted while it waits for the
@@ -373,6 +373,9 @@ class Store(Queries):
                 self.repo.close()
             finally:
                 self._readers.shutdown()
+                # Only now: no save runs any more. The buffers (pinned memory on a GPU machine) otherwise stayed
+                # the process's until the Store object itself was freed.
+                self._saver.release_buffers()
         if raise_errors:
             self._raise_pending()
 

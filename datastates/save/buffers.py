@@ -141,6 +141,7 @@ class BufferPool:
         self.pin = pin
         self._free: list[torch.Tensor] = []
         self._allocated = 0
+        self._closed = False
         self._cv = threading.Condition()
 
     def acquire(self, on_wait: Callable[[], None] | None = None) -> tuple[Slot, float]:
@@ -196,8 +197,26 @@ class BufferPool:
         if slot.borrowed:
             return  # the caller's memory, not one of ours
         with self._cv:
+            if self._closed:
+                self._allocated -= 1  # freed with the slot, not kept
+                return
             self._free.append(slot.buf)
             self._cv.notify()
+
+    def close(self) -> None:
+        """Free the pool's buffers (pinned memory when `pin`): its store is closed, no save will take a slot again.
+        A slot still out is freed when it is released; a slot taken after this is allocated anew and freed at its
+        release."""
+        with self._cv:
+            self._closed = True
+            self._allocated -= len(self._free)
+            self._free.clear()
+        if self.pin:
+            # torch keeps freed pinned blocks cached for its next pinned allocation: hand them back to the system
+            # (a private call, looked up: where torch lacks it they stay cached, for the next pinned allocation).
+            empty = getattr(torch._C, "_host_emptyCache", None)
+            if empty is not None:
+                empty()
 
     @property
     def allocated_bytes(self) -> int:

@@ -178,6 +178,11 @@ class Saver:
         self._capturer.shutdown(wait=True)
         self.copier.stop()
 
+    def release_buffers(self) -> None:
+        """After `stop`: let go of the pool's buffers and the CUDA staging buffers, which nothing uses any more."""
+        self.pool.close()
+        self._cuda = None
+
     def remember(self, job: SaveJob) -> None:
         """After a commit: what `reuse_unchanged` may reuse next time for each tensor of `job`. Keeps the
         committed rows themselves (nothing changes them after the commit: no tuple per row); a reuse puts them in
