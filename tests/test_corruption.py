@@ -83,15 +83,47 @@ def test_flipped_byte_in_chunk(two_versions: Any, index: int, where: str) -> Non
     assert rep.corrupt_chunks == [{"chunk": w.chunk.hex(), "pack": w.loc.pack, "offset": w.loc.offset,
                                    "tier": s.tier.name}]
     assert any(w.chunk.hex()[:16] in p and w.loc.pack in p for p in rep.problems)
-    # Repair reports, never deletes, a corrupt chunk: the pack and the other versions stay.
+    # Repair deletes no corrupt chunk: the pack and the other versions stay. It drops the chunk's index entry,
+    # so that no save names the bad copy (see the next test); a load of v1 then says the chunk is not indexed.
     rep = s.fsck(repair=True)
     assert len(rep.corrupt_chunks) == 1 and w.pack_path.exists()
+    assert [r for r in rep.repaired if "dropped the index entry" in r] == [
+        f"dropped the index entry of chunk {w.chunk.hex()[:16]}, corrupt on every tier: the next save of its "
+        "bytes stores it again, and the versions that need it load from then on"]
     assert_same(s.load(v2), {"a": t["a"], "c": t["c"]})
-    # The error was that one byte: put it back and everything loads and checks again.
+    with pytest.raises(ds.NotFoundError, match="fsck"):
+        s.load(v1, keys=["b"])
+    # The error was that one byte: put it back (a backup), and the repair its hint names indexes it again.
     flip(w.pack_path, w.loc.offset + at)
     assert old != old ^ 0xFF
+    assert not s.fsck().ok  # v1's chunk is not indexed
+    s.fsck(repair=True)
     assert_same(s.load(v1), {"a": t["a"], "b": t["b"], "meta": {"n": 1}})
     assert s.fsck().ok
+
+
+def test_a_chunk_corrupt_everywhere_is_stored_again_by_the_next_save_of_its_bytes(two_versions: Any) -> None:
+    """A save of bytes whose only stored copy is corrupt named that copy (dedup by id): the new version was
+    unloadable too, and every later save of the same values, with no way out (a frozen layer could never be
+    checkpointed again; a hunt). After `fsck --repair` the next save stores the bytes again, which heals the
+    versions that needed them."""
+    s, v1, _, t = two_versions
+    w = chunk_of(s, v1, "b", 1)
+    flip(w.pack_path, w.loc.offset + 5)
+    poisoned = s.save({"b": t["b"]}, branch="again")
+    assert poisoned.bytes_new == 0  # named the bad copy
+    with pytest.raises(ds.IntegrityError, match=w.chunk.hex()[:16]):
+        s.load(poisoned)
+    rep = s.fsck()
+    assert any(f"chunk {w.chunk.hex()[:16]} is corrupt on every tier" in p for p in rep.problems)
+    s.fsck(repair=True)
+    healed = s.save({"b": t["b"]}, branch="again")
+    assert healed.bytes_new == 64 * KIB  # the one chunk, stored again
+    for v in (healed, poisoned, v1):
+        assert_same(s.load(v, keys=["b"]), {"b": t["b"]})
+    rep = s.fsck()
+    assert rep.ok, rep.problems
+    assert [n for n in rep.notes if w.chunk.hex()[:16] in n and w.loc.pack in n and "no read uses" in n]
 
 
 def test_shared_chunk_corruption_breaks_both_versions(two_versions: Any) -> None:

@@ -9,7 +9,9 @@ marked damaged; versions are never removed. It also removes debris of interrupte
 files whose writer is gone, packs and manifests no version names, only when every record and manifest could be read, and
 never a pack holding a chunk some manifest names: that pack is indexed again) and indexes complete
 records the catalog missed. A corrupt chunk is reported and its pack restored from another tier when
-one holds a good copy, never removed. A pack gone from every tier is reported with the versions that
+one holds a good copy, never removed; with no good copy anywhere its index entry is dropped, so that the
+next save of its bytes stores them again (which heals the versions needing it) instead of naming the bad
+copy. A pack gone from every tier is reported with the versions that
 need it; its catalog entries stay for when it is put back.
 """
 
@@ -158,7 +160,8 @@ def _check_all(store: Repository, rep: FsckReport, repair: bool, rebuild: bool) 
     _check_leftovers(store, rep, repair)
     live_packs = _check_packs(store, rep, repair)
     _check_locations(store, rep, repair)
-    needs = _check_records(store, rep, repair, _unindexed_chunks(store, live_packs))
+    corrupt = _unlocate_corrupt(store, rep, repair)
+    needs = _check_records(store, rep, repair, _unindexed_chunks(store, live_packs, corrupt))
     _check_missing_packs(store, rep, repair, live_packs, needs)
     _check_cold_copies(store, rep, repair, live_packs, needs)
     if needs.sure:
@@ -423,16 +426,7 @@ def _check_tier_packs(store: Repository, tier: Tier, rep: FsckReport, live: set[
         live.add(pack)
         for cid, loc in idx:
             rep.checked["chunks"] = rep.checked.get("chunks", 0) + 1
-            try:
-                data = reader.read(loc)
-                if loc.codec == CODEC_ZSTD:
-                    import zstandard
-
-                    data = zstandard.ZstdDecompressor().decompress(data, max_output_size=loc.raw_length)
-                good = chunk_id(data) == cid
-            except Exception:  # any decode failure (zstd raises its own type) means a bad chunk
-                good = False
-            if not good:
+            if not _chunk_ok(reader, cid, loc):
                 bad.add(pack)
                 rep.corrupt_chunks.append({"chunk": cid.hex(), "pack": pack, "offset": loc.offset,
                                            "tier": tier.name})
@@ -504,10 +498,11 @@ class Needs:
     sure: bool = True
 
 
-def _unindexed_chunks(store: Repository, live: set[str]) -> dict[bytes, str]:
+def _unindexed_chunks(store: Repository, live: set[str], corrupt: set[bytes]) -> dict[bytes, str]:
     """The chunks that sealed packs of the catalog's tier hold and the catalog does not locate, each with its
     pack: what a catalog older than the packs (restored from a backup, or a save killed between its pack and its
-    commit) lacks. A version needing them is not missing them."""
+    commit) lacks. A version needing them is not missing them. Not the `corrupt` ones: their copy is bad, and
+    indexing it again would have the next save of those bytes name it (`_unlocate_corrupt`)."""
     out: dict[bytes, str] = {}
     cat = store.catalog
     for pack in sorted(live):
@@ -515,9 +510,66 @@ def _unindexed_chunks(store: Repository, live: set[str]) -> dict[bytes, str]:
         if not idx:
             continue
         for (cid, _), loc in zip(idx, cat.chunks([cid for cid, _ in idx])):
-            if loc is None:
+            if loc is None and cid not in corrupt:
                 out.setdefault(cid, pack)
     return out
+
+
+def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[bytes]:
+    """The chunks found corrupt where the catalog locates them on every tier that holds that pack (after
+    `_check_packs`' repair, which puts back a good copy from another tier when there is one). A save of the same
+    bytes named such a copy (dedup by id), so every later version of those values was unloadable too. With
+    repair their index entries are dropped: the next save of the bytes stores them again, and the versions that
+    need them load again from then on (their manifests name the id, and the id the new copy). Nothing is
+    deleted: the bad copy stays in its pack. Returns the ids of those chunks."""
+    corrupt = {bytes.fromhex(c["chunk"]) for c in rep.corrupt_chunks}
+    if not corrupt:
+        return set()
+    cids = sorted(corrupt)
+    lost: list[bytes] = []
+    for cid, loc in zip(cids, store.catalog.chunks(cids)):
+        if loc is None:
+            continue
+        if not any(_intact_at(t, cid, loc) for t in store.tiers):
+            lost.append(cid)
+            continue
+        # The catalog locates an intact copy (a save stored the bytes again after a repair dropped the bad one's
+        # entry, or another tier holds it): the bad copy is a stale duplicate no read uses, which gc repacks away.
+        stale = [c for c in rep.corrupt_chunks if c["chunk"] == cid.hex() and c["pack"] != loc.pack]
+        for c in stale:
+            rep.problems[:] = [p for p in rep.problems
+                               if not (cid.hex()[:16] in p and c["pack"] in p and "is corrupt" in p)]
+            rep.notes.append(f"chunk {cid.hex()[:16]} has a corrupt copy in pack {c['pack']} on tier {c['tier']} "
+                             f"that no read uses (the catalog locates an intact one in pack {loc.pack}); "
+                             "`datastates gc` repacks it away once the pack is sparse")
+    if lost and repair:
+        store.catalog.drop_chunks(lost)
+        rep.repaired.extend(f"dropped the index entry of chunk {cid.hex()[:16]}, corrupt on every tier: the next "
+                            "save of its bytes stores it again, and the versions that need it load from then on"
+                            for cid in lost)
+    elif lost:
+        rep.problems.extend(f"chunk {cid.hex()[:16]} is corrupt on every tier, and a save of the same bytes would "
+                            "name the bad copy; `datastates fsck --repair` drops its index entry so that the next "
+                            "save stores it again" for cid in lost)
+    return corrupt
+
+
+def _intact_at(tier: Tier, cid: bytes, loc: ChunkLocation) -> bool:
+    """Whether `tier`'s copy of pack `loc.pack` holds chunk `cid` intact at `loc`."""
+    return tier.pack_path(loc.pack).exists() and _chunk_ok(tier.reader, cid, loc)
+
+
+def _chunk_ok(reader: Any, cid: bytes, loc: ChunkLocation) -> bool:
+    """Whether the bytes `reader` reads at `loc` (decompressed) hash to `cid`."""
+    try:
+        data = reader.read(loc)
+        if loc.codec == CODEC_ZSTD:
+            import zstandard
+
+            data = zstandard.ZstdDecompressor().decompress(data, max_output_size=loc.raw_length)
+        return chunk_id(data) == cid
+    except Exception:  # any read or decode failure (zstd raises its own type) is a bad copy
+        return False
 
 
 def _check_records(store: Repository, rep: FsckReport, repair: bool, unindexed: dict[bytes, str]) -> Needs:

@@ -437,6 +437,17 @@ class Catalog:
                 dropped += 1
         return dropped
 
+    def drop_chunks(self, cids: Iterable[bytes]) -> int:
+        """Forget these chunks' locations (their packs stay indexed); return how many were indexed. For a chunk
+        whose every stored copy is corrupt (fsck): a save then writes its bytes again instead of naming the bad copy
+        (the `chunk_drops` token changes, so no saver trusts what it remembered as indexed)."""
+        dropped = 0
+        with self._begin(write=True) as txn:
+            self._dropped_chunks(txn)
+            for cid in cids:
+                dropped += bool(txn.delete(cid, db=self._db["chunks"]))
+        return dropped
+
     def add_pack_file(self, path: Path, tier: str, index: list[tuple[bytes, ChunkLocation]], *,
                       locations: bool = True) -> None:
         """Index the sealed pack file at `path` on `tier`: its entry from the file (size, the chunk count of its
