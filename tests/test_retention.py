@@ -160,6 +160,24 @@ def test_keep_best_reads_annotations_added_after_the_save(store: Store, made: Ma
     assert metric_value(store.version(target), "hparams.lr") is None
 
 
+def test_prune_ranks_by_metrics_annotated_after_the_save(tmp_path: Path) -> None:
+    """KeepBest ranked prune's versions by their records' metrics only: a version `annotate(v, metrics=...)` made
+    the best (evaluated later) was pruned, and with the metric only in annotations prune refused ('no version
+    has metrics.val_loss'; a hunt)."""
+    with Store.open(tmp_path / "s") as s:
+        vs = [s.save({"w": torch.full((4,), float(i))}, step=i, metrics={"val_loss": 5.0 - i / 10}) for i in range(5)]
+        s.annotate(vs[0], metrics={"val_loss": 0.01})
+        plan = s.prune(Retention(KeepBest(1, "metrics.val_loss", "min")))
+        assert vs[0].id in plan.keep and vs[3].id in plan.prune
+        assert s.load(vs[0])["w"].tolist() == [0.0] * 4
+    with Store.open(tmp_path / "t") as s:
+        vs = [s.save({"w": torch.full((4,), float(i))}, step=i) for i in range(4)]
+        for i, v in enumerate(vs):
+            s.annotate(v, metrics={"val_loss": float(i)})
+        plan = s.prune(Retention(KeepBest(1, "val_loss", "min")), dry_run=True)
+        assert vs[0].id in plan.keep and {vs[1].id, vs[2].id} <= plan.prune
+
+
 def test_keep_every_keeps_steps_that_are_multiples(store: Store, made: Made) -> None:
     kept = KeepEvery(40).keep(all_versions(store), store)
     assert kept == ids_where(made, lambda b, s: s % 40 == 0)

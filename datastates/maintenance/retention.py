@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..base.files import canonical_json, write_new
 from ..errors import ArgumentTypeError, DataStatesError, InvalidArgumentError, NotFoundError
-from ..meta.versions import Version, cut, decode_record, shown
+from ..meta.versions import Version, cut, decode_record, shown, with_annotations
 from ..repo.repository import Repository, as_repository
 
 if TYPE_CHECKING:
@@ -348,8 +348,11 @@ class PrunePlan:
 
 
 def _versions(store: Repository, pruned: set[str]) -> list[Version]:
+    """Every indexed version as users see it (`Store.version`): metrics annotated after the save laid over the
+    record's, so that a policy ranks by them. Built with the annotations as stored, `KeepBest` read the metrics
+    of the record only and pruned the version `annotate(v, metrics=...)` had made the best (a hunt)."""
     annotations = store.catalog.all_annotations()
-    return [decode_record(vid, data, annotations=annotations.get(vid, {}), pruned=vid in pruned)
+    return [with_annotations(decode_record(vid, data, pruned=vid in pruned), annotations.get(vid, {}))
             for vid, data in store.catalog.records()]
 
 
