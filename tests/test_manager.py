@@ -18,7 +18,7 @@ def _state(step: int) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("async_", [True, False])
 def test_interval_retention_latest_and_restore(tmp_path: Path, async_: bool) -> None:
     with ds.Store.open(tmp_path / "s") as store:
-        other = store.save(_state(-1), branch="other", step=0)
+        other = store.save(_state(-1), branch="other", step=0, metrics={"loss": -1.0})  # better than any of run's
         store.save(_state(-2), branch="other", step=1)
         mgr = ds.CheckpointManager(store, "run", save_interval_steps=10, async_=async_,
                                    retention=Retention(KeepLatest(2), KeepBest(1, "metrics.loss", "min")))
@@ -38,7 +38,9 @@ def test_interval_retention_latest_and_restore(tmp_path: Path, async_: bool) -> 
             mgr.restore(10)
         with pytest.raises(ds.NotFoundError, match="no version at step 15"):
             mgr.restore(15)
-        assert not store.version(other).pruned  # another branch is never this manager's to prune
+        # Another branch is never this manager's to prune, nor ranked with its own: its better loss took the
+        # KeepBest slot, and run's best (step 20) was pruned (a hunt).
+        assert not store.version(other).pruned
         assert not mgr.should_save(50) and mgr.should_save(60) and not mgr.should_save(61)
 
 

@@ -21,7 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import InvalidArgumentError, NotFoundError
-from ..maintenance.retention import KeepIf, Policy, Retention
+from ..maintenance.retention import Policy
 from ..meta.refs import check_name
 from ..meta.versions import Version
 from ..save.job import SaveHandle
@@ -107,6 +107,17 @@ class CheckpointManager:
     def _prune(self) -> None:
         if self.retention is None:
             return
-        mine = self.branch
-        # Only this branch's versions are this manager's to prune.
-        self.store.prune(Retention(self.retention, KeepIf(lambda v: v.branch != mine)))
+        self.store.prune(_OnBranch(self.retention, self.branch))
+
+
+class _OnBranch(Policy):
+    """`policy` applied among the versions saved on `branch` alone, every other version kept: a manager's
+    retention is its branch's. Ranked among all of the store's versions (with the others only kept beside it), a
+    `KeepBest` gave its slots to another branch's better versions and pruned this run's best checkpoint (a hunt)."""
+
+    def __init__(self, policy: Policy, branch: str) -> None:
+        self.policy, self.branch = policy, branch
+
+    def keep(self, versions: list[Version], store: Any) -> set[str]:
+        mine = [v for v in versions if v.branch == self.branch]
+        return {v.id for v in versions if v.branch != self.branch} | self.policy.keep(mine, store)
