@@ -216,3 +216,46 @@ def test_a_pack_evicted_by_another_process_between_reuse_and_commit_is_put_back(
     assert same(s.load(v2)["w"], shared) and same(s.load(v1)["w"], shared)
     (tmp_path / "cold-away").rename(tmp_path / "cold")
     s.close()
+
+
+def test_versions_pruned_while_cold_is_unreachable_reach_cold_marked(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Versions pending flush were pruned while cold was unmounted (no FORMAT): prune marked hot only, in silence,
+    and the flusher then published their records on cold without the marker. Cold held live-looking versions
+    whose manifests it lacked: gc there stopped (IntegrityError), fsck said ok, and a node opening cold with a
+    fresh hot directory got "manifest missing" instead of PrunedError. Now prune warns, the flusher writes the
+    marker before the record, and fsck reports (--repair writes) the marker of a version flushed before the
+    prune."""
+    cold = tmp_path / "cold"
+    s = host(tmp_path, "hot", flush=ds.Flush(every=1))
+    states = {i: {"w": t(100 + i), "b": t(200 + i, 1000)} for i in range(4)}
+    v0 = s.save(states[0], step=0)
+    assert s.flush(v0, timeout=60)  # on cold before the prune: only fsck or the next prune marks it there
+    (cold / "FORMAT").rename(tmp_path / "FORMAT.away")  # unmounted: the mount point is an empty directory
+    vs = [v0, *(s.save(states[i], step=i) for i in range(1, 4))]
+    with caplog.at_level("WARNING", logger="datastates.retention"):
+        res = prune(s, Retention(KeepLatest(1)))
+    assert res.prune == {v.id for v in vs[:3]}
+    assert any("unreachable" in r.getMessage() and "pruned markers" in r.getMessage() for r in caplog.records)
+    s.gc(cold_grace_s=0)  # hot only (cold is away): deletes the manifests only pruned versions name
+    (tmp_path / "FORMAT.away").rename(cold / "FORMAT")
+    assert s.flush(timeout=60)
+    markers = {p.name.removesuffix(".pruned") for p in (cold / "versions").rglob("*.pruned")}
+    assert {v.id for v in vs[1:3]} <= markers  # published by the flusher with their marker
+    rep = s.fsck()
+    assert not rep.ok and any(v0.id[:12] in p and "no pruned marker" in p for p in rep.problems)
+    rep = s.fsck(repair=True)
+    assert any(v0.id[:12] in r for r in rep.repaired)
+    assert s.fsck().ok
+    markers = {p.name.removesuffix(".pruned") for p in (cold / "versions").rglob("*.pruned")}
+    assert {v.id for v in vs[:3]} <= markers
+    s.close()
+    with host(tmp_path, "hot-fresh") as c:  # this node is lost: another opens cold
+        rep = c.gc(cold_grace_s=0)
+        assert rep.bytes_freed["cold"] > 0
+        for v in vs[:3]:
+            with pytest.raises(ds.PrunedError):
+                c.load(v.id)
+        got = c.load(vs[3].id)
+        assert same(got["w"], states[3]["w"]) and same(got["b"], states[3]["b"])
+        assert c.fsck().ok

@@ -2,7 +2,9 @@
 
 For each version it copies the packs holding its chunks (those not on cold
 yet), then, under cold's sweep lock (see `Tier.sweep_lock`), checks them
-again and writes its manifests and its record, then moves refs on cold
+again and writes its manifests and its record (a version pruned meanwhile,
+while cold was unreachable say: its pruned marker, then its record, never
+the record alone), then moves refs on cold
 (fast-forward only, compare-and-swap under the cold tier's lock file), and
 only then marks the version resident on cold. A crash at any point leaves at
 most temp files on cold; the version stays pending and is flushed again by
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ..base.comm import comm_timeout
 from ..base.files import copy_file, replace, write_new
 from ..errors import ConflictError, DataStatesError, IntegrityError
+from .retention import write_marker
 
 if TYPE_CHECKING:
     from ..repo.repository import Repository
@@ -234,7 +237,16 @@ class Flusher:
         with cold.sweep_lock():
             # A cold-tier gc (any host) may have deleted a pack since, if no version on cold named it.
             self._copy_missing(packs)
-            if not v.pruned:
+            # Asked again under the lock: a prune may have run since `v` was read (it holds hot's locks, not
+            # this one), and one run while cold was unreachable marked the version on hot only.
+            if store.catalog.extra(vid).get("pruned"):
+                # Its marker goes on cold before its record: no reader of cold (a gc on any host, a node opening
+                # cold with a fresh hot tier) ever sees the record without it, which would make it a live version
+                # whose manifests cold lacks (gc stopped on it, loads said "missing" instead of PrunedError). A
+                # crash in between leaves a marker without a record, which nothing reads as a version; the
+                # version stays pending and this runs again.
+                write_marker(cold, vid)
+            else:
                 for mid in v.manifests.values():
                     if not cold.manifest_path(mid).exists():
                         write_new(cold.manifest_path(mid), store.objects.read_manifest_bytes(mid))  # verified

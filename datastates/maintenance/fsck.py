@@ -39,6 +39,7 @@ from ..objects.chunks import CODEC_ZSTD, ChunkLocation, chunk_id
 from ..objects.packs import list_packs, read_index
 from ..repo.repository import Repository, as_repository
 from ..save.manifest import Manifest
+from .retention import PRUNED_EXT, write_marker
 
 if TYPE_CHECKING:
     from ..objects.tier import Tier
@@ -164,6 +165,7 @@ def _check_all(store: Repository, rep: FsckReport, repair: bool, rebuild: bool) 
     needs = _check_records(store, rep, repair, _unindexed_chunks(store, live_packs, corrupt))
     _check_missing_packs(store, rep, repair, live_packs, needs)
     _check_cold_copies(store, rep, repair, live_packs, needs)
+    _check_cold_markers(store, rep, repair)
     if needs.sure:
         _check_orphans(store, rep, repair, live_packs, needs)
     else:
@@ -846,6 +848,29 @@ def _check_cold_copies(store: Repository, rep: FsckReport, repair: bool, live: s
             rep.problems.append(f"the {what} is missing from tier cold, where the version is published"
                                 + ("; `datastates fsck --repair` copies it from hot" if source is not None
                                    and source.exists() else "; no other copy"))
+
+
+def _check_cold_markers(store: Repository, rep: FsckReport, repair: bool) -> None:
+    """Every version this catalog marks pruned whose record is on cold must have its pruned marker there: cold is
+    what another host's gc and a node opening cold with a fresh hot tier read, and without the marker they take
+    it for a live version (its bytes are never freed there, and the gc stops if its manifests are gone; a load
+    says "missing" instead of PrunedError). A prune run while cold was unreachable marked hot only. With repair
+    the marker is written (restoring what the catalog says, nothing guessed); else reported."""
+    cold = store.cold
+    if cold is None or not (cold.root / "FORMAT").exists():
+        return  # one tier, or cold unreachable now (the next prune writes the markers when it is back)
+    marked = set(cold.iter_ids("versions", PRUNED_EXT))
+    for vid in sorted(store.catalog.pruned_ids() - marked):
+        if not cold.record_path(vid).exists():
+            continue  # not published on cold: nothing there reads it as a version
+        if repair:
+            write_marker(cold, vid)
+            rep.repaired.append(f"wrote the pruned marker of version {vid[:12]} on tier cold, where its record "
+                                "was published without it")
+        else:
+            rep.problems.append(f"version {vid[:12]} is pruned but its record on tier cold has no pruned marker (a "
+                                "prune ran while cold was unreachable): a node opening cold takes it for a live "
+                                "version; `datastates fsck --repair` (or the next prune) writes the marker")
 
 
 def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[str], needs: Needs) -> None:

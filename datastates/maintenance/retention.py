@@ -87,6 +87,13 @@ def marker_path(tier: Tier, vid: str) -> Path:
     return tier.root / "versions" / vid[:2] / f"{vid}.{PRUNED_EXT}"
 
 
+def write_marker(tier: Tier, vid: str) -> bool:
+    """Write the pruned marker of `vid` on `tier` (fsync'd, `write_new`: an existing marker stays as it is);
+    True if this call made it. Every writer of markers uses this: prune, the flusher (publishing a pruned
+    version's record on cold) and `fsck --repair`. Raises OSError (StorageFullError) when it cannot be written."""
+    return write_new(marker_path(tier, vid), canonical_json({"pruned": time.time(), "version": vid}))
+
+
 # policies ------------------------------------------------------------------------------------------------------
 def _order_key(v: Version) -> tuple[float, int, str]:
     """Newest last: commit time, then step, then id (so equal times still sort the same everywhere)."""
@@ -469,8 +476,11 @@ def prune(store: Repository, retention: Policy, dry_run: bool = False) -> PruneP
 
     Holds the tier's exclusive lock (saves wait) and the ref lock (no branch or
     tag can move onto a version while it is being pruned). Marks go to the
-    files first (`versions/<ab>/<id>.pruned`, fsync'd), then to the catalog; a
-    mark a crash left only in the files is completed here. Bytes are freed
+    files first (`versions/<ab>/<id>.pruned`, fsync'd, on every reachable tier),
+    then to the catalog; a mark a crash left only in the files is completed here.
+    A cold tier that is unreachable (no FORMAT) is logged as a warning: it gets
+    the marker of a version with its record when the flusher publishes it, and
+    those of versions already there from the next prune (or `fsck --repair`). Bytes are freed
     later by `datastates.gc.gc`. Raises what `plan` raises (nothing changed then).
     """
     store = as_repository(store)
@@ -482,6 +492,15 @@ def prune(store: Repository, retention: Policy, dry_run: bool = False) -> PruneP
     with tier.exclusive(), store.refs.locked():
         result, marked_only = _plan(store, retention, dry_run=False)
         tiers = _reachable_tiers(store)
+        away = [t for t in store.tiers if all(t is not r for r in tiers)]
+        if away and (result.prune or marked_only):
+            # Said, not silent: until the markers are there, a node that opens that tier (a fresh hot directory
+            # after this one is lost) takes these versions for live ones.
+            log.warning("prune: tier %s is unreachable (no FORMAT file: unmounted?); the pruned markers of %d "
+                        "version(s) are written on %s only. The flusher writes the marker with each record it "
+                        "publishes there, and the next prune (or `datastates fsck --repair`) writes the others "
+                        "once the tier is back", ", ".join(str(t.root) for t in away),
+                        len(result.prune | marked_only), ", ".join(t.name for t in tiers))
         for vid in sorted(result.prune):
             _mark(store, vid, tiers)
         for vid in sorted(marked_only):
@@ -494,10 +513,9 @@ def prune(store: Repository, retention: Policy, dry_run: bool = False) -> PruneP
 
 def _mark(store: Repository, vid: str, tiers: list[Tier]) -> None:
     """Mark `vid` pruned: a marker on every reachable tier (the saving tier first), then the catalog flag."""
-    data = canonical_json({"pruned": time.time(), "version": vid})
     for t in tiers:
         try:
-            write_new(marker_path(t, vid), data)
+            write_marker(t, vid)
         except OSError:
             if t is store.tier:
                 raise
@@ -514,7 +532,7 @@ def _complete_markers(store: Repository, pruned: Iterable[str], tiers: list[Tier
         have = set(t.iter_ids("versions", PRUNED_EXT))
         for vid in sorted(set(pruned) - have):
             try:
-                write_new(marker_path(t, vid), canonical_json({"pruned": time.time(), "version": vid}))
+                write_marker(t, vid)
             except OSError:
                 log.warning("could not write the pruned marker of %s on tier %s", vid[:12], t.name)
                 break
