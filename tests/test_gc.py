@@ -21,7 +21,8 @@ from datastates import NotFoundError, PrunedError, Store
 from datastates.base.config import Flush, human_bytes
 from datastates.cli.maintenance import add_parsers, run
 from datastates.maintenance.gc import GcReport, gc
-from datastates.objects.packs import list_packs
+from datastates.objects.packs import list_packs, read_index
+from datastates.repo.repository import as_repository
 from datastates.retention import KeepEvery, KeepLatest, Retention, prune
 
 CHUNK = 1024
@@ -543,3 +544,56 @@ def test_fsck_still_removes_debris_after_prune_and_gc(tmp_path: Path) -> None:
         assert rep.problems == [] and rep.notes == [] and len(rep.repaired) == 2
         assert not any(p.exists() for p in debris) and s.fsck().ok
         assert float(s.load("main")["w"][0]) == 3.0
+
+
+def _sealed_unindexed_copy(s: Store, pack: str) -> str:
+    """What a gc killed between sealing a repacked pack and indexing it leaves (as `_repack` writes it): a new
+    sealed pack holding the chunks of `pack`, named by no catalog entry. Returns its id."""
+    tier = as_repository(s).tier
+    w = tier.new_pack()
+    for cid, loc in read_index(tier.pack_path(pack)):
+        w.add(cid, tier.reader.read(loc), loc.raw_length, loc.codec)
+    w.seal()
+    return w.id
+
+
+def test_fsck_repair_removes_the_pack_a_gc_killed_before_indexing_it_left(
+        store_made: tuple[Store, dict[str, int]]) -> None:
+    """kill -9 of gc right after a repacked pack was sealed left a pack no catalog entry names, every chunk of it
+    located (intact) in another pack. fsck and fsck --repair only said "`datastates gc` frees it", but gc judges
+    the packs the catalog knows: the second copy stayed forever. Now fsck --repair removes it."""
+    s, made = store_made
+    packs = s.path / "packs"
+    live_bytes = tree_bytes(packs)
+    biggest = max(list_packs(packs), key=lambda p: p.stat().st_size).name.removesuffix(".pack")
+    dup = _sealed_unindexed_copy(s, biggest)
+    assert tree_bytes(packs) > live_bytes
+    rep = s.fsck()
+    assert rep.ok and any(dup in n and "`datastates fsck --repair` removes it" in n for n in rep.notes)
+    gc(s)
+    assert (packs / f"{dup}.pack").exists()  # gc judges the packs the catalog knows: not this one
+    rep = s.fsck(repair=True)
+    assert any(dup in r and "removed" in r for r in rep.repaired)
+    assert not (packs / f"{dup}.pack").exists() and tree_bytes(packs) == live_bytes
+    assert check_live_versions(s, made, tensors=4, n=2048) == len(made)
+    rep = s.fsck()
+    assert rep.ok and not any(dup in n for n in rep.notes)
+
+
+def test_fsck_repair_keeps_an_unindexed_pack_holding_the_only_intact_copy(
+        store_made: tuple[Store, dict[str, int]]) -> None:
+    """The same unindexed copy, but a chunk is corrupt where the catalog locates it: that copy is the only good
+    one. fsck --repair indexes it again (the versions needing the chunk load) and never removes it."""
+    s, made = store_made
+    packs = s.path / "packs"
+    biggest = max(list_packs(packs), key=lambda p: p.stat().st_size).name.removesuffix(".pack")
+    dup = _sealed_unindexed_copy(s, biggest)
+    _, loc = read_index(packs / f"{biggest}.pack")[0]
+    with open(packs / f"{biggest}.pack", "r+b") as f:  # one flipped byte in the located copy
+        f.seek(loc.offset)
+        b = f.read(1)
+        f.seek(loc.offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    s.fsck(repair=True)
+    assert (packs / f"{dup}.pack").exists()
+    assert check_live_versions(s, made, tensors=4, n=2048) == len(made)

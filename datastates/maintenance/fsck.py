@@ -6,12 +6,15 @@ copy of it), annotation file and ref, and reports what is wrong and on which tie
 copy (one whose blake3 matches) on another tier or in the catalog; a damaged file with no intact
 copy is moved to `quarantine/` (report line in quarantine/report.jsonl) and its version is
 marked damaged; versions are never removed. It also removes debris of interrupted saves (temp
-files whose writer is gone, packs and manifests no version names, only when every record and manifest could be read, and
-never a pack holding a chunk some manifest names: that pack is indexed again) and indexes complete
-records the catalog missed. A corrupt chunk is reported and its pack restored from another tier when
-one holds a good copy, never removed; with no good copy anywhere its index entry is dropped, so that the
-next save of its bytes stores them again (which heals the versions needing it) instead of naming the bad
-copy. A pack gone from every tier is reported with the versions that
+files whose writer is gone, packs and manifests no version names, only when every record and
+manifest could be read, and never a pack holding a chunk some manifest names: that pack is indexed
+again) and of a gc killed mid-repack (a pack no catalog entry names whose every chunk the catalog
+locates intact in another pack), and indexes complete records the catalog missed. On a cold tier it
+writes the pruned marker of a version the catalog marks pruned whose record is there without it (a
+prune run while cold was unreachable). A corrupt chunk is reported and its pack restored from
+another tier when one holds a good copy, never removed; with no good copy anywhere its index entry is
+dropped, so that the next save of its bytes stores them again (which heals the versions needing it)
+instead of naming the bad copy. A pack gone from every tier is reported with the versions that
 need it; its catalog entries stay for when it is put back.
 """
 
@@ -500,11 +503,13 @@ class Needs:
     sure: bool = True
 
 
-def _unindexed_chunks(store: Repository, live: set[str], corrupt: set[bytes]) -> dict[bytes, str]:
+def _unindexed_chunks(store: Repository, live: set[str], corrupt: set[tuple[bytes, str]]) -> dict[bytes, str]:
     """The chunks that sealed packs of the catalog's tier hold and the catalog does not locate, each with its
     pack: what a catalog older than the packs (restored from a backup, or a save killed between its pack and its
-    commit) lacks. A version needing them is not missing them. Not the `corrupt` ones: their copy is bad, and
-    indexing it again would have the next save of those bytes name it (`_unlocate_corrupt`)."""
+    commit) lacks. A version needing them is not missing them. Not the `corrupt` copies ((chunk, pack) pairs):
+    indexing one again would have the next save of those bytes name it (`_unlocate_corrupt`). An intact copy of
+    the same chunk in another pack is one (a pack a killed gc repack left unindexed may hold the only good copy):
+    the pack holding it is indexed again, never removed as unneeded."""
     out: dict[bytes, str] = {}
     cat = store.catalog
     for pack in sorted(live):
@@ -512,18 +517,18 @@ def _unindexed_chunks(store: Repository, live: set[str], corrupt: set[bytes]) ->
         if not idx:
             continue
         for (cid, _), loc in zip(idx, cat.chunks([cid for cid, _ in idx])):
-            if loc is None and cid not in corrupt:
+            if loc is None and (cid, pack) not in corrupt:
                 out.setdefault(cid, pack)
     return out
 
 
-def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[bytes]:
+def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[tuple[bytes, str]]:
     """The chunks found corrupt where the catalog locates them on every tier that holds that pack (after
     `_check_packs`' repair, which puts back a good copy from another tier when there is one). A save of the same
     bytes named such a copy (dedup by id), so every later version of those values was unloadable too. With
     repair their index entries are dropped: the next save of the bytes stores them again, and the versions that
     need them load again from then on (their manifests name the id, and the id the new copy). Nothing is
-    deleted: the bad copy stays in its pack. Returns the ids of those chunks."""
+    deleted: the bad copy stays in its pack. Returns (chunk id, pack) of every corrupt copy found."""
     corrupt = {bytes.fromhex(c["chunk"]) for c in rep.corrupt_chunks}
     if not corrupt:
         return set()
@@ -532,7 +537,7 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[b
     for cid, loc in zip(cids, store.catalog.chunks(cids)):
         if loc is None:
             continue
-        if not any(_intact_at(t, cid, loc) for t in store.tiers):
+        if not _intact_somewhere(store, cid, loc):
             lost.append(cid)
             continue
         # The catalog locates an intact copy (a save stored the bytes again after a repair dropped the bad one's
@@ -553,7 +558,7 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[b
         rep.problems.extend(f"chunk {cid.hex()[:16]} is corrupt on every tier, and a save of the same bytes would "
                             "name the bad copy; `datastates fsck --repair` drops its index entry so that the next "
                             "save stores it again" for cid in lost)
-    return corrupt
+    return {(bytes.fromhex(c["chunk"]), c["pack"]) for c in rep.corrupt_chunks}
 
 
 def _intact_at(tier: Tier, cid: bytes, loc: ChunkLocation) -> bool:
@@ -883,14 +888,35 @@ def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[s
             else:  # debris of a save that failed or was interrupted, not damage: no version lacks anything
                 rep.notes.append(f"manifest {mid[:12]} is named by no version (leftover of a failed or interrupted "
                                  f"save): {path.relative_to(tier.root)}; `datastates fsck --repair` removes it")
+    indexed = set(cat.pack_ids())
     for pack in sorted(live - set(needs.packs)):
         idx = _index(tier.pack_path(pack))
         if idx is None:
             continue  # damaged: _check_packs reported it; never removed
         if _duplicates_only(store, pack):
-            # Two writers stored the same new chunk; the catalog uses the other copy. Dead weight, not
-            # damage: gc deletes it.
-            rep.notes.append(f"pack {pack} only repeats chunks stored elsewhere; `datastates gc` frees it")
+            # Every chunk of it is located in another pack: no read uses it. Dead weight, not damage.
+            if pack in indexed:
+                # Two writers stored the same new chunk and the catalog uses the other copy: gc deletes a pack
+                # the catalog knows once no chunk location names it.
+                rep.notes.append(f"pack {pack} only repeats chunks stored elsewhere; `datastates gc` frees it")
+            elif not all(loc is not None and _intact_somewhere(store, cid, loc)
+                         for (cid, _), loc in zip(idx, cat.chunks([c for c, _ in idx]))):
+                # Some chunk's located copy is corrupt on every tier: this pack may hold its only good copy.
+                rep.notes.append(f"pack {pack} repeats chunks the catalog locates in other packs, some of which "
+                                 "are corrupt there: kept, as it may hold their only intact copy")
+            elif repair:
+                # A pack no catalog entry names is one gc never looks at (it judges the packs the catalog knows):
+                # a gc killed between sealing a repacked pack and indexing it left this, a second copy of live
+                # data, forever. Every chunk has an intact copy the catalog locates, and fsck holds the tier's
+                # writers lock (no save or gc writes meanwhile), so no read can need this one.
+                tier.reader.forget(pack)
+                _orphan(rep, repair, tier.pack_path(pack), f"pack {pack}, which no catalog entry names and only "
+                        "repeats chunks the catalog locates intact in other packs (left by a gc or save killed "
+                        "before indexing it)", tier.root)
+            else:
+                rep.notes.append(f"pack {pack} is named by no catalog entry and only repeats chunks the catalog "
+                                 "locates intact in other packs (left by a gc or save killed before indexing it); "
+                                 "`datastates fsck --repair` removes it")
             continue
         store.tier.reader.forget(pack)
         if repair:
@@ -924,6 +950,11 @@ def _duplicates_only(store: Repository, pack: str) -> bool:
         return False
     locs = store.catalog.chunks([cid for cid, _ in idx])
     return bool(idx) and all(loc is not None and loc.pack != pack for loc in locs)
+
+
+def _intact_somewhere(store: Repository, cid: bytes, loc: ChunkLocation) -> bool:
+    """Whether some tier holds chunk `cid` intact at the catalog's location `loc`."""
+    return any(_intact_at(t, cid, loc) for t in store.tiers)
 
 
 def _orphan(rep: FsckReport, repair: bool, path: Path, what: str, root: Path) -> None:

@@ -12,7 +12,9 @@ Crash safety (kill -9 at any instant leaves every live chunk readable):
   `fsck --repair` removes;
 - a repack seals the new pack before the catalog names it, and repoints every
   live chunk before the old pack is dropped: until then both copies exist, and
-  a new pack the catalog never came to name is an orphan for `fsck --repair`.
+  a new pack the catalog never came to name is a second copy that gc never
+  judges (it looks only at packs the catalog knows) and `fsck --repair`
+  removes (every chunk of it located intact in another pack).
 
 With a cold tier, gc also collects cold (see `collect_cold`): it deletes
 cold packs that no version on cold needs and manifests only pruned versions
