@@ -165,7 +165,7 @@ def _check_all(store: Repository, rep: FsckReport, repair: bool, rebuild: bool) 
     live_packs = _check_packs(store, rep, repair)
     _check_locations(store, rep, repair)
     corrupt = _unlocate_corrupt(store, rep, repair)
-    needs = _check_records(store, rep, repair, _unindexed_chunks(store, live_packs, corrupt))
+    needs = _check_records(store, rep, repair, _unindexed_chunks(store, live_packs, corrupt), corrupt)
     _check_missing_packs(store, rep, repair, live_packs, needs)
     _check_cold_copies(store, rep, repair, live_packs, needs)
     _check_cold_markers(store, rep, repair)
@@ -579,11 +579,18 @@ def _chunk_ok(reader: Any, cid: bytes, loc: ChunkLocation) -> bool:
         return False
 
 
-def _check_records(store: Repository, rep: FsckReport, repair: bool, unindexed: dict[bytes, str]) -> Needs:
+def _check_records(store: Repository, rep: FsckReport, repair: bool, unindexed: dict[bytes, str],
+                   corrupt: set[tuple[bytes, str]]) -> Needs:
     """Check every copy of every version record (each tier's file and the catalog's copy) and of
     every manifest they name; returns what the versions need. `unindexed`: chunks in packs the catalog does not
     index (`_unindexed_chunks`); a pack holding some that an intact version needs is indexed again with repair,
-    before a version that needs it is, never removed."""
+    before a version that needs it is, never removed. `corrupt`: (chunk, pack) of copies found corrupt; a pack
+    holding the bad copy of a chunk a version needs and no catalog entry locates (repair dropped it:
+    `_unlocate_corrupt`) is needed all the same: never removed as unused (a byte put back from a backup makes it
+    whole again)."""
+    corrupt_in: dict[bytes, set[str]] = {}
+    for cid, pack in corrupt:
+        corrupt_in.setdefault(cid, set()).add(pack)
     cat = store.catalog
     needs = Needs()
     reindexed: set[str] = set()
@@ -669,6 +676,13 @@ def _check_records(store: Repository, rep: FsckReport, repair: bool, unindexed: 
                         needs.packs.setdefault(loc.pack, set()).add(vid)
                     elif cid in unindexed:
                         lost_packs.add(unindexed[cid])
+                    elif cid in corrupt_in:
+                        for pack in corrupt_in[cid]:
+                            needs.packs.setdefault(pack, set()).add(vid)
+                        if not pruned:
+                            complete = False
+                            rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()} of {r['key']!r} is corrupt on "
+                                                "every tier (it loads again once a save stores those bytes again)")
                     elif not pruned:
                         complete = False
                         rep.problems.append(f"version {vid[:12]}: chunk {cid.hex()} of {r['key']!r} is missing")
