@@ -349,35 +349,45 @@ class Store(Queries):
         saves (a KeyboardInterrupt, raised to the caller), it lets them go on with the files open: they commit in
         the background, and a second close() waits for them and releases the files, as the process's exit does if
         nothing calls it. Closing a closed store does nothing."""
+        if os.getpid() != self.repo.pid:
+            # A forked child: the threads and files are the parent's (closing LMDB here would drop the parent's
+            # reader slots). Nothing of the child's to finish: it could not save (StoreClosedError). Before the
+            # lock: a parent thread inside close() at the fork left it held in the child, for ever.
+            self.repo.closed = self.repo.released = True
+            return
         # One close at a time: a second (another thread's) waits for the first, then finds the files released.
         with self._closing:
             if self.repo.released:
                 return
-            if os.getpid() != self.repo.pid:
-                # A forked child: the threads and files are the parent's (closing LMDB here would drop the parent's
-                # reader slots). Nothing of the child's to finish: it could not save (StoreClosedError).
-                self.repo.closed = self.repo.released = True
-                return
             self.repo.closed = True
             self._saver.flattener.clear()  # no reference to the caller's storages outlives the store
-            # Not in a `finally`: interrupted here, the pipeline may still be writing and committing saves the caller
-            # was told were taken (their copies made); closing the files under it lost every one of them and left
-            # half-made versions. They go on; a second close() (or the exit's drain) comes back here.
-            self._saver.stop()
-            if self.flusher is not None:
-                self.flusher.stop(drain=True)
-            atexit.unregister(self._atexit)  # harmless if it was registered with threading instead
+            # Not in a `finally`: interrupted here (KeyboardInterrupt), the pipeline may still be writing and
+            # committing saves the caller was told were taken (their copies made); closing the files under it lost
+            # every one of them and left half-made versions. They go on; a second close() (or the exit's drain)
+            # comes back here. An error (not an interrupt) leaves nothing running: the files go, as they must.
             try:
-                # The files first: a load on another thread then fails with StoreClosedError at its next read,
-                # never with the executor's RuntimeError for work submitted after its shutdown.
-                self.repo.close()
-            finally:
-                self._readers.shutdown()
-                # Only now: no save runs any more. The buffers (pinned memory on a GPU machine) otherwise stayed
-                # the process's until the Store object itself was freed.
-                self._saver.release_buffers()
+                self._saver.stop()
+                if self.flusher is not None:
+                    self.flusher.stop(drain=True)
+            except Exception:
+                self._release()
+                raise
+            self._release()
         if raise_errors:
             self._raise_pending()
+
+    def _release(self) -> None:
+        """The end of close(): the files, the read threads and the staging buffers go, once no save runs."""
+        atexit.unregister(self._atexit)  # harmless if it was registered with threading instead
+        try:
+            # The files first: a load on another thread then fails with StoreClosedError at its next read,
+            # never with the executor's RuntimeError for work submitted after its shutdown.
+            self.repo.close()
+        finally:
+            self._readers.shutdown()
+            # Only now: no save runs any more. The buffers (pinned memory on a GPU machine) otherwise stayed
+            # the process's until the Store object itself was freed.
+            self._saver.release_buffers()
 
     def _drain_at_exit(self) -> None:
         # A process exiting with saves in flight finishes them rather than losing them silently (and so after a

@@ -985,3 +985,50 @@ def test_an_interrupted_sync_save_is_not_committed_from_bytes_changed_after(tmp_
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_forked_childs_close_does_not_wait_for_a_close_in_the_parent(tmp_path: Path) -> None:
+    """close() took its lock before it looked for a forked child: a parent thread inside close() at the fork (its
+    saves draining) left the lock held in the child, whose close() (a `with` block's end) then waited for ever (a
+    review)."""
+    import os
+    import signal
+
+    s = Store.open(tmp_path / "s")
+    s.save({"w": torch.zeros(4)})
+    with s._closing:  # held, as by a parent thread in close() when the fork happens
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(30)  # the child would wait for ever: SIGALRM ends it instead (a non-zero status)
+            try:
+                s.close()
+            finally:
+                os._exit(0 if s.repo.released else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    s.close()
+    assert s.repo.released
+
+
+def test_close_lets_the_files_go_when_stopping_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error (not an interrupt) from the flusher's stop at close() left the files open and the exit hook in:
+    every later close() ran the stop again and raised again, and the store could not be opened again in that
+    process (a review). The error is raised once; the files go."""
+    from datastates.maintenance.flush import Flusher
+
+    cold, hot = tmp_path / "cold", tmp_path / "hot"
+    s = Store.open(cold, hot=hot)
+    v = s.save({"w": torch.ones(8)})
+    assert s.flush(timeout=60)
+
+    def gone(self: Flusher, drain: bool = True) -> None:
+        raise OSError(errno.EIO, "cold tier went away")
+
+    monkeypatch.setattr(Flusher, "stop", gone)
+    with pytest.raises(OSError, match="cold tier went away"):
+        s.close()
+    assert s.repo.released
+    s.close()  # closing a closed store does nothing
+    monkeypatch.undo()
+    with Store.open(cold, hot=hot) as again:
+        assert again.load(v.id)["w"].tolist() == [1.0] * 8

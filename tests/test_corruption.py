@@ -248,3 +248,25 @@ def test_a_store_without_its_format_file_says_so(tmp_path: Path) -> None:
                                                   "is missing: put it back"):
         ds.Store.open(tmp_path / "s")
     assert not (tmp_path / "s" / "FORMAT").exists()
+
+
+def test_a_read_error_is_no_reason_to_drop_a_chunks_index_entry(two_versions: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """fsck --repair drops the index entry of a chunk whose every copy reads back wrong; a read that failed (EIO,
+    an NFS hiccup) said nothing about the bytes, and dropped the location of an intact chunk (a review)."""
+    import errno
+
+    from datastates.objects.packs import PackReader
+
+    s, v1, v2, t = two_versions
+
+    def failing(self: PackReader, loc: ChunkLocation) -> bytes:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(PackReader, "read", failing)
+    rep = s.fsck(repair=True)
+    assert rep.corrupt_chunks and not [r for r in rep.repaired if "dropped the index entry" in r]
+    monkeypatch.undo()
+    assert_same(s.load(v1), {"a": t["a"], "b": t["b"], "meta": {"n": 1}})
+    assert_same(s.load(v2), {"a": t["a"], "c": t["c"]})
+    assert s.fsck().ok

@@ -200,7 +200,7 @@ class FailingState(nn.Module):
 
     def state_dict(self, *args: Any, **kw: Any) -> Any:
         if self.fail:
-            raise RuntimeError("boom in state_dict")
+            raise self.fail if isinstance(self.fail, BaseException) else RuntimeError("boom in state_dict")
         return super().state_dict(*args, **kw)
 
 
@@ -224,6 +224,13 @@ def test_a_state_dict_that_raises_is_named_by_its_key(filled: ds.Store, unchange
         assert str(raised.value).startswith("outer.model (FailingState): its state_dict() raised RuntimeError: "
                                             "boom in state_dict")
         assert isinstance(raised.value.__cause__, RuntimeError) and str(raised.value.__cause__) == "boom in state_dict"
+    # Our own errors and running out of memory stay what they are (they do not say the value cannot be saved).
+    for error in (ds.StoreClosedError("another store was closed"), torch.OutOfMemoryError("no memory"),
+                  MemoryError("no memory")):
+        model.fail = error  # type: ignore[assignment]
+        with unchanged(filled), pytest.raises(type(error)) as kept:
+            call(state)
+        assert kept.value is error
     model.fail = False
     assert torch.equal(filled.load(filled.save(state, branch="kept"))["outer"]["model"]["lin.weight"],
                        model.lin.weight.detach())

@@ -113,3 +113,16 @@ def test_checkpoints_of_a_training_run_reuse_the_flatten_after_the_second(tmp_pa
         assert torch.equal(last["state_dict"]["net.weight"], model.net.weight.detach())
         momentum = trainer.optimizers[0].state[model.net.weight]["momentum_buffer"]
         assert torch.equal(last["optimizer_states"][0]["state"][0]["momentum_buffer"], momentum)
+
+
+def test_teardown_after_the_store_was_closed(tmp_path: Path) -> None:
+    """A store closed before Lightning's teardown (in on_fit_end) made teardown raise StoreClosedError, since
+    wait() after close() does (a review): a closed store has no save left to wait for."""
+    store = ds.Store.open(tmp_path / "s")
+    io = DataStatesCheckpointIO(store, branch="run")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "epoch=0.ckpt")
+    assert io.load_checkpoint(tmp_path / "epoch=0.ckpt")["state_dict"]["w"].tolist() == [1.0, 1.0]  # (settled)
+    store.close()
+    io.teardown()
+    with ds.Store.open(tmp_path / "s") as again:
+        assert again.load("run")["state_dict"]["w"].tolist() == [1.0, 1.0]

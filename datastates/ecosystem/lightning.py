@@ -99,4 +99,5 @@ class DataStatesCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self._settle()
-        self.store.wait()
+        if not self.store.repo.closed:  # a store the user closed first (in on_fit_end) has no saves left to wait for
+            self.store.wait()

@@ -562,12 +562,19 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[t
 
 
 def _intact_at(tier: Tier, cid: bytes, loc: ChunkLocation) -> bool:
-    """Whether `tier`'s copy of pack `loc.pack` holds chunk `cid` intact at `loc`."""
-    return tier.pack_path(loc.pack).exists() and _chunk_ok(tier.reader, cid, loc)
+    """Whether `tier`'s copy of pack `loc.pack` holds chunk `cid` intact at `loc`; True when it cannot be read
+    (an I/O error): a copy is called bad only on bytes that were read and do not match, never dropped for a
+    read that failed (an NFS hiccup)."""
+    try:
+        return tier.pack_path(loc.pack).exists() and _chunk_ok(tier.reader, cid, loc, unreadable=OSError)
+    except OSError:
+        return True
 
 
-def _chunk_ok(reader: Any, cid: bytes, loc: ChunkLocation) -> bool:
-    """Whether the bytes `reader` reads at `loc` (decompressed) hash to `cid`."""
+def _chunk_ok(reader: Any, cid: bytes, loc: ChunkLocation,
+              unreadable: type[BaseException] | tuple[type[BaseException], ...] = ()) -> bool:
+    """Whether the bytes `reader` reads at `loc` (decompressed) hash to `cid`. A read or decode failure is a bad
+    copy, but the `unreadable` errors, raised to the caller."""
     try:
         data = reader.read(loc)
         if loc.codec == CODEC_ZSTD:
@@ -575,7 +582,9 @@ def _chunk_ok(reader: Any, cid: bytes, loc: ChunkLocation) -> bool:
 
             data = zstandard.ZstdDecompressor().decompress(data, max_output_size=loc.raw_length)
         return chunk_id(data) == cid
-    except Exception:  # any read or decode failure (zstd raises its own type) is a bad copy
+    except unreadable:
+        raise
+    except Exception:  # any other read or decode failure (zstd raises its own type) is a bad copy
         return False
 
 

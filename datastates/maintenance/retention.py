@@ -149,9 +149,9 @@ class KeepLatest(Policy):
 class KeepBest(Policy):
     """The `n` versions with the best value of `metric` (lowest with mode "min", highest with "max").
 
-    `metric` is a dotted path: "metrics.val_loss" reads the record's metrics and,
-    when the record lacks it, the annotations (where `store.annotate(v,
-    metrics={...})` puts results computed after the save); "annotations.x" and
+    `metric` is a dotted path: "metrics.val_loss" reads the version's metrics as
+    users see them (those `store.annotate(v, metrics={...})` put after the save
+    over the record's) and, when they lack it, the annotations; "annotations.x" and
     "hparams.x" read those only; a bare name means "metrics.<name>". Versions
     without a finite numeric value are never "best". Ties go to the newer version.
     Raises InvalidArgumentError (a ValueError) for n < 0 (or not an int) or an unknown mode.

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ..errors import InvalidArgumentError, UnsupportedValueError
+from ..errors import DataStatesError, InvalidArgumentError, UnsupportedValueError
 
 if TYPE_CHECKING:
     from .stats import Partial
@@ -250,6 +250,8 @@ class Flattener:
         if callable(sd) and not isinstance(v, type):
             try:
                 state = _state_of(v)
+            except _AS_RAISED:
+                raise
             except Exception as exc:  # the caller's code: said with the key it was saving, as a pickle error is
                 raise _state_dict_error(path, v, exc) from exc
             node = self._node(state, path, depth + 1)
@@ -357,6 +359,12 @@ def _state_of(obj: Any) -> Any:
     return obj.state_dict()
 
 
+_AS_RAISED: tuple[type[BaseException], ...] = (
+    DataStatesError, MemoryError, getattr(torch, "OutOfMemoryError", MemoryError))
+"""What a `state_dict()` raises that stays what it is: our own errors (a store closed meanwhile) and running out of
+memory (a full state dict gathered on one rank) say something other than "this value cannot be saved"."""
+
+
 def _state_dict_error(path: str, obj: Any, exc: Exception) -> UnsupportedValueError:
     """The error for an object whose `state_dict()` raised `exc` while saving it at key path `path`."""
     return UnsupportedValueError(f"{path or '<state>'} ({type(obj).__name__}): its state_dict() raised "
@@ -425,6 +433,8 @@ def _walk(v: Any, node: dict[str, Any], out: list[Any], plain: set[int] | None =
             return None
         try:
             v = _state_of(v)
+        except _AS_RAISED:
+            raise
         except Exception as exc:
             raise _StateDictRaised(v, exc) from exc
     new = _walk_node(v, node, out, plain)
