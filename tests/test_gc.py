@@ -597,3 +597,27 @@ def test_fsck_repair_keeps_an_unindexed_pack_holding_the_only_intact_copy(
     s.fsck(repair=True)
     assert (packs / f"{dup}.pack").exists()
     assert check_live_versions(s, made, tensors=4, n=2048) == len(made)
+
+
+def test_fsck_repair_keeps_an_unindexed_copy_when_the_located_one_cannot_be_read(
+        store_made: tuple[Store, dict[str, int]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read that fails (EIO) says nothing of the bytes: the located copy may be gone, and the unindexed one the
+    only one left. fsck --repair removes an unindexed duplicate only when every located copy read back intact
+    (a review: a failed read counted as intact there)."""
+    import errno
+
+    from datastates.objects.packs import PackReader
+
+    s, made = store_made
+    packs = s.path / "packs"
+    biggest = max(list_packs(packs), key=lambda p: p.stat().st_size).name.removesuffix(".pack")
+    dup = _sealed_unindexed_copy(s, biggest)
+
+    def failing(self: PackReader, loc: object) -> bytes:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(PackReader, "read", failing)
+    s.fsck(repair=True)
+    monkeypatch.undo()
+    assert (packs / f"{dup}.pack").exists()
+    assert check_live_versions(s, made, tensors=4, n=2048) == len(made)

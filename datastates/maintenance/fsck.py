@@ -537,7 +537,7 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[t
     for cid, loc in zip(cids, store.catalog.chunks(cids)):
         if loc is None:
             continue
-        if not _intact_somewhere(store, cid, loc):
+        if not _intact_somewhere(store, cid, loc, unreadable=True):  # (a read that failed drops nothing)
             lost.append(cid)
             continue
         # The catalog locates an intact copy (a save stored the bytes again after a repair dropped the bad one's
@@ -561,14 +561,14 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[t
     return {(bytes.fromhex(c["chunk"]), c["pack"]) for c in rep.corrupt_chunks}
 
 
-def _intact_at(tier: Tier, cid: bytes, loc: ChunkLocation) -> bool:
-    """Whether `tier`'s copy of pack `loc.pack` holds chunk `cid` intact at `loc`; True when it cannot be read
-    (an I/O error): a copy is called bad only on bytes that were read and do not match, never dropped for a
-    read that failed (an NFS hiccup)."""
+def _intact_at(tier: Tier, cid: bytes, loc: ChunkLocation, unreadable: bool) -> bool:
+    """Whether `tier`'s copy of pack `loc.pack` holds chunk `cid` intact at `loc`; `unreadable` when it cannot be
+    read (an I/O error, an NFS hiccup), which says nothing of the bytes: each caller picks the answer that
+    changes nothing (True before dropping an index entry, False before removing another copy)."""
     try:
         return tier.pack_path(loc.pack).exists() and _chunk_ok(tier.reader, cid, loc, unreadable=OSError)
     except OSError:
-        return True
+        return unreadable
 
 
 def _chunk_ok(reader: Any, cid: bytes, loc: ChunkLocation,
@@ -922,7 +922,7 @@ def _check_orphans(store: Repository, rep: FsckReport, repair: bool, live: set[s
                 # Two writers stored the same new chunk and the catalog uses the other copy: gc deletes a pack
                 # the catalog knows once no chunk location names it.
                 rep.notes.append(f"pack {pack} only repeats chunks stored elsewhere; `datastates gc` frees it")
-            elif not all(loc is not None and _intact_somewhere(store, cid, loc)
+            elif not all(loc is not None and _intact_somewhere(store, cid, loc, unreadable=False)
                          for (cid, _), loc in zip(idx, cat.chunks([c for c, _ in idx]))):
                 # Some chunk's located copy is corrupt on every tier: this pack may hold its only good copy.
                 rep.notes.append(f"pack {pack} repeats chunks the catalog locates in other packs, some of which "
@@ -975,9 +975,9 @@ def _duplicates_only(store: Repository, pack: str) -> bool:
     return bool(idx) and all(loc is not None and loc.pack != pack for loc in locs)
 
 
-def _intact_somewhere(store: Repository, cid: bytes, loc: ChunkLocation) -> bool:
-    """Whether some tier holds chunk `cid` intact at the catalog's location `loc`."""
-    return any(_intact_at(t, cid, loc) for t in store.tiers)
+def _intact_somewhere(store: Repository, cid: bytes, loc: ChunkLocation, unreadable: bool) -> bool:
+    """Whether some tier holds chunk `cid` intact at the catalog's location `loc` (`unreadable`: see `_intact_at`)."""
+    return any(_intact_at(t, cid, loc, unreadable) for t in store.tiers)
 
 
 def _orphan(rep: FsckReport, repair: bool, path: Path, what: str, root: Path) -> None:
