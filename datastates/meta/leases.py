@@ -29,7 +29,7 @@ from pathlib import Path
 
 import blake3
 
-from ..base.files import make_dirs, replace
+from ..base.files import HOST, make_dirs, process_alive, replace
 
 LEASE_DIR = "leases"
 DEFAULT_TTL = 3600.0
@@ -50,15 +50,7 @@ class Lease:
 
     def holder_gone(self) -> bool:
         """The holder is a process of this host that no longer exists (another host's is never known gone)."""
-        if self.host != socket.gethostname():
-            return False
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:  # another user's live process
-            return False
-        return False
+        return self.host == socket.gethostname() and process_alive(HOST, self.pid) is False
 
 
 def _safe(text: str) -> str:
