@@ -270,3 +270,85 @@ def test_a_read_error_is_no_reason_to_drop_a_chunks_index_entry(two_versions: An
     assert_same(s.load(v1), {"a": t["a"], "b": t["b"], "meta": {"n": 1}})
     assert_same(s.load(v2), {"a": t["a"], "c": t["c"]})
     assert s.fsck().ok
+
+
+@pytest.mark.parametrize("how", ["fsck --rebuild", "catalog lost"])
+def test_a_catalog_rebuild_does_not_index_a_copy_repair_found_corrupt(two_versions: Any, tmp_path: Path,
+                                                                       how: str) -> None:
+    """fsck --repair drops the index entry of a chunk corrupt on every tier, so that the next save of its bytes
+    stores them again. A catalog rebuilt from the pack files (`fsck --rebuild`, or a lost catalog rebuilt at
+    open) indexed the bad copy again: the next save of those bytes named it (dedup by id) and committed a version
+    that could not be loaded (a review). The repair lists the copy in quarantine/bad-chunks.jsonl; a rebuild skips
+    a listed copy unless it reads back intact (a byte put back from a backup)."""
+    s, v1, _, t = two_versions
+    w = chunk_of(s, v1, "b", 1)
+    flip(w.pack_path, w.loc.offset + 5)
+    s.fsck(repair=True)
+    assert s.catalog.chunk(w.chunk) is None
+    if how == "fsck --rebuild":
+        s.fsck(rebuild=True)
+    else:
+        s.close()
+        for f in (tmp_path / "store" / "catalog").iterdir():
+            f.unlink()
+        (tmp_path / "store" / "catalog").rmdir()
+        s = ds.Store.open(tmp_path / "store")
+    assert s.catalog.chunk(w.chunk) is None
+    again = s.save({"b": t["b"]}, branch="again")
+    assert again.bytes_new == 64 * KIB  # stored again, not named the bad copy
+    assert_same(s.load(again), {"b": t["b"]})
+    assert_same(s.load(v1, keys=["b"]), {"b": t["b"]})
+    s.close()
+
+
+def test_a_rebuild_indexes_a_listed_copy_put_back_intact(two_versions: Any) -> None:
+    """A copy listed as bad whose byte was put back (a backup) reads back intact: a rebuild indexes it again."""
+    s, v1, _, t = two_versions
+    w = chunk_of(s, v1, "b", 1)
+    flip(w.pack_path, w.loc.offset + 5)
+    s.fsck(repair=True)
+    flip(w.pack_path, w.loc.offset + 5)
+    s.fsck(rebuild=True)
+    assert s.catalog.chunk(w.chunk) == w.loc
+    assert_same(s.load(v1), {"a": t["a"], "b": t["b"], "meta": {"n": 1}})
+
+
+def test_repair_indexing_a_pack_again_skips_its_corrupt_copies(two_versions: Any) -> None:
+    """fsck --repair indexes again a pack holding chunks a version needs that the catalog lost (a catalog
+    restored from an older backup); it indexed every chunk of the pack, a corrupt one too, which the next save
+    of those bytes then named (dedup by id): a committed version that could not be loaded."""
+    s, v1, _, t = two_versions
+    good, bad = chunk_of(s, v1, "b", 0), chunk_of(s, v1, "b", 1)
+    assert good.loc.pack == bad.loc.pack
+    flip(bad.pack_path, bad.loc.offset + 5)
+    s.catalog.drop_chunks([good.chunk, bad.chunk])  # the catalog lost the pack's chunks
+    rep = s.fsck(repair=True)
+    assert any(f"indexed pack {good.loc.pack} again" in r for r in rep.repaired)
+    assert s.catalog.chunk(good.chunk) == good.loc and s.catalog.chunk(bad.chunk) is None
+    again = s.save({"b": t["b"]}, branch="again")
+    assert again.bytes_new == 64 * KIB
+    assert_same(s.load(again), {"b": t["b"]})
+
+
+def test_another_host_does_not_index_a_copy_repair_listed_on_cold(tmp_path: Path) -> None:
+    """Two hosts share a cold tier. A's fsck --repair found a chunk corrupt on every tier and listed it on cold
+    too: B's refresh, indexing the pack from cold for the first time, skips the bad copy (a catalog rebuilt at
+    B's open does too: test_a_catalog_rebuild_does_not_index_a_copy_repair_found_corrupt), so B's next save of
+    those bytes stores them again instead of naming it."""
+    g = torch.Generator().manual_seed(1)
+    b_values = torch.randn(64 * KIB, generator=g)
+    a = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot-a", chunk_size=64 * KIB)
+    b = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot-b")  # before A's pack: its refresh indexes it
+    v = a.save({"b": b_values}, branch="main")
+    assert a.flush(timeout=30)
+    w = chunk_of(a, v, "b", 1)
+    for root in ("hot-a", "cold"):
+        flip(tmp_path / root / "packs" / w.pack_path.name, w.loc.offset + 5)
+    assert any("dropped the index entry" in r for r in a.fsck(repair=True).repaired)
+    assert b.refresh()["packs"] == 1 and b.catalog.chunk(w.chunk) is None
+    again = b.save({"b": b_values}, branch="b")
+    loc = b.catalog.chunk(w.chunk)
+    assert loc is not None and loc.pack != w.loc.pack  # stored again, not the bad copy named
+    assert_same(b.load(again), {"b": b_values})
+    a.close()
+    b.close()

@@ -96,6 +96,7 @@ def _rebuild_catalog(store: Repository, kept: dict[str, dict[str, Any]]) -> int:
     """`rebuild_catalog`'s work, inside its one transaction; `kept`: the annotations the catalog held."""
     cat = store.catalog
     cat.clear()
+    listed = listed_bad(store.tiers)
     for tier in store.tiers:
         for path in progress(list(list_packs(tier.root / "packs")), f"rebuild: indexing {tier.name} packs",
                              unit="pack"):
@@ -103,7 +104,8 @@ def _rebuild_catalog(store: Repository, kept: dict[str, dict[str, Any]]) -> int:
                 idx = read_index(path)
             except (IntegrityError, OSError):
                 continue  # fsck reports damaged packs; their chunks stay unindexed
-            cat.add_pack_file(path, tier.name, idx)
+            pack = path.name.removesuffix(".pack")
+            cat.add_pack_file(path, tier.name, idx, skip=still_bad(store, listed, pack, idx))
     on_cold = set(store.cold.iter_ids("versions", "json")) if store.cold is not None else set()
     flush_rest = store.cold is not None and not store.tiering.flush.tagged_only
     n = 0
@@ -534,11 +536,13 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[t
         return set()
     cids = sorted(corrupt)
     lost: list[bytes] = []
+    lost_at: list[tuple[bytes, str]] = []
     for cid, loc in zip(cids, store.catalog.chunks(cids)):
         if loc is None:
             continue
         if not _intact_somewhere(store, cid, loc, unreadable=True):  # (a read that failed drops nothing)
             lost.append(cid)
+            lost_at.append((cid, loc.pack))
             continue
         # The catalog locates an intact copy (a save stored the bytes again after a repair dropped the bad one's
         # entry, or another tier holds it): the bad copy is a stale duplicate no read uses, which gc repacks away.
@@ -550,6 +554,10 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[t
                              f"that no read uses (the catalog locates an intact one in pack {loc.pack}); "
                              "`datastates gc` repacks it away once the pack is sparse")
     if lost and repair:
+        # Listed before the entries go (a kill between leaves a list the next repair repeats, never an entry
+        # dropped unlisted): a catalog rebuilt from the pack files would otherwise index the bad copies again.
+        for tier in store.tiers:
+            tier.note_bad_copies(lost_at, "corrupt on every tier; fsck --repair dropped its index entry")
         store.catalog.drop_chunks(lost)
         rep.repaired.extend(f"dropped the index entry of chunk {cid.hex()[:16]}, corrupt on every tier: the next "
                             "save of its bytes stores it again, and the versions that need it load from then on"
@@ -559,6 +567,28 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[t
                             "name the bad copy; `datastates fsck --repair` drops its index entry so that the next "
                             "save stores it again" for cid in lost)
     return {(bytes.fromhex(c["chunk"]), c["pack"]) for c in rep.corrupt_chunks}
+
+
+def listed_bad(tiers: list[Tier]) -> dict[str, set[bytes]]:
+    """Pack -> the chunk ids whose copy in it fsck --repair listed as corrupt on any of `tiers`
+    (`Tier.note_bad_copies`)."""
+    out: dict[str, set[bytes]] = {}
+    for tier in tiers:
+        for cid, pack in tier.bad_copies():
+            out.setdefault(pack, set()).add(cid)
+    return out
+
+
+def still_bad(store: Repository, listed: dict[str, set[bytes]], pack: str,
+              index: list[tuple[bytes, ChunkLocation]]) -> set[bytes]:
+    """The chunks of `pack` (its `index`) that are `listed` bad and read back intact on no tier now: what a
+    catalog built from the pack files must not index (a save would name the bad copy, dedup by id, and commit a
+    version that cannot be loaded). A listed copy put back intact (from a backup) is indexed again; one that
+    cannot be read (EIO) is not: a later `fsck --repair` indexes it once it reads back intact."""
+    ids = listed.get(pack)
+    if not ids:
+        return set()
+    return {cid for cid, loc in index if cid in ids and not _intact_somewhere(store, cid, loc, unreadable=False)}
 
 
 def _intact_at(tier: Tier, cid: bytes, loc: ChunkLocation, unreadable: bool) -> bool:
@@ -955,7 +985,10 @@ def _reindex_pack(store: Repository, rep: FsckReport, repair: bool, pack: str, u
                             "`datastates fsck --repair` indexes them")
         return
     path = store.tier.pack_path(pack)
-    store.catalog.add_pack_file(path, store.tier.name, _index(path) or [])
+    idx = _index(path) or []
+    bad = listed_bad(store.tiers)  # never a copy listed or found corrupt (a save would name it)
+    bad.setdefault(pack, set()).update(bytes.fromhex(c["chunk"]) for c in rep.corrupt_chunks if c["pack"] == pack)
+    store.catalog.add_pack_file(path, store.tier.name, idx, skip=still_bad(store, bad, pack, idx))
     rep.repaired.append(f"indexed pack {pack} again: it holds {held} chunk(s) versions need that the catalog had "
                         "lost")
 

@@ -13,6 +13,7 @@ from ..meta.catalog import CommitBatch
 from ..objects.packs import list_packs, read_index
 from ..query.lineage import is_ancestor
 from ..repo.repository import Repository
+from .fsck import listed_bad, still_bad
 
 
 def refresh(repo: Repository) -> dict[str, int]:
@@ -29,10 +30,13 @@ def refresh(repo: Repository) -> dict[str, int]:
         if not hot.pack_path(pack).exists():
             catalog.drop_pack(pack)
             counts["packs_gone"] += 1
+    listed: dict[str, set[bytes]] | None = None
     for pack, path in on_cold.items():  # one listing of cold, not a stat per pack (PFS metadata)
         if pack not in known:
             idx = read_index(path)
-            catalog.add_pack_file(path, "cold", idx)
+            if listed is None:  # read once, and only when there is a pack to index
+                listed = listed_bad(repo.tiers)
+            catalog.add_pack_file(path, "cold", idx, skip=still_bad(repo, listed, pack, idx))
             counts["packs"] += 1
     for vid in cold.iter_ids("versions", "json"):
         if catalog.record(vid) is None:

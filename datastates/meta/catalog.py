@@ -12,7 +12,7 @@ import json
 import os
 import struct
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -449,12 +449,13 @@ class Catalog:
         return dropped
 
     def add_pack_file(self, path: Path, tier: str, index: list[tuple[bytes, ChunkLocation]], *,
-                      locations: bool = True) -> None:
+                      locations: bool = True, skip: Container[bytes] = frozenset()) -> None:
         """Index the sealed pack file at `path` on `tier`: its entry from the file (size, the chunk count of its
-        `index`) and, with `locations`, its chunks (without overwriting locations already known)."""
+        `index`) and, with `locations`, its chunks (without overwriting locations already known) but those in
+        `skip` (copies known to be corrupt: a save would name them)."""
         self.add_pack_chunks(path.name.removesuffix(".pack"),
                              {"size": path.stat().st_size, "chunks": len(index), "tier": tier},
-                             index if locations else [])
+                             [(c, loc) for c, loc in index if c not in skip] if locations else [])
 
     def add_pack_chunks(self, pack: str, info: dict[str, Any], chunks: list[tuple[bytes, ChunkLocation]]) -> None:
         """Index a sealed pack's chunks without overwriting locations already known."""

@@ -28,6 +28,9 @@ from ..base.locks import flocked, lockfile
 from ..errors import NotFoundError, StoreFormatError
 from .packs import PackReader, PackWriter
 
+BAD_CHUNKS = "bad-chunks.jsonl"
+"""Under `quarantine/`: chunk copies fsck found corrupt on every tier (`Tier.note_bad_copies`)."""
+
 FORMAT = 1
 """The store format number in FORMAT files; a reader refuses a newer one."""
 
@@ -191,6 +194,34 @@ class Tier:
             {"file": str(rel), "moved_to": str(dest.relative_to(self.root)), "reason": reason, "time": now,
              "tier": self.name}, sort_keys=True).encode())
         return dest
+
+    def note_bad_copies(self, copies: list[tuple[bytes, str]], reason: str) -> None:
+        """Append one JSON line {chunk, pack, reason, time, tier} per (chunk id, pack) copy to
+        `quarantine/bad-chunks.jsonl`: copies fsck found corrupt and stopped indexing, which a catalog rebuilt
+        from the pack files must not index again (`bad_copies`). The bad bytes stay in their pack."""
+        now = time.time()
+        for cid, pack in copies:
+            append_line(self.root / "quarantine" / BAD_CHUNKS, json.dumps(
+                {"chunk": cid.hex(), "pack": pack, "reason": reason, "time": now, "tier": self.name},
+                sort_keys=True).encode())
+
+    def bad_copies(self) -> set[tuple[bytes, str]]:
+        """The (chunk id, pack) copies `note_bad_copies` listed on this tier. A line that does not parse (a
+        damaged byte) names nothing and is skipped: a rebuild then indexes that copy, as before the list, and
+        the next fsck finds it corrupt again."""
+        path = self.root / "quarantine" / BAD_CHUNKS
+        out: set[tuple[bytes, str]] = set()
+        try:
+            lines = path.read_bytes().splitlines()
+        except FileNotFoundError:
+            return out
+        for line in lines:
+            try:
+                entry = json.loads(line)
+                out.add((bytes.fromhex(entry["chunk"]), str(entry["pack"])))
+            except (ValueError, KeyError, TypeError):
+                continue
+        return out
 
     def new_pack(self) -> PackWriter:
         return PackWriter(self.root / "packs")
