@@ -161,9 +161,11 @@ def move_branch(store: Store, name: str, to: Any, expected: str) -> str:
 
     The public Store API has `branch(name, at, force=True)` (an unconditional move) but no
     conditional one, so this reaches the tier's RefStore; the lead plans a `Store.move_branch`.
-    Raises NotFoundError (branch or ref), ConflictError (the branch is not at `expected`), InvalidNameError.
+    Raises NotFoundError (branch or ref), ConflictError (the branch is not at `expected`), InvalidNameError,
+    PrunedError (`to` was pruned).
     """
     vid = store.resolve(to)
+    store.repo.refuse_pruned(vid, "branch")
     refs = store.refs
     if refs.get("branch", name) is None:
         raise NotFoundError(f"branch {name!r} does not exist; create it with POST /branches or `datastates branch`")

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -424,3 +426,31 @@ def test_cli_prune_without_a_rule_refuses(store: Store, capsys: pytest.CaptureFi
         parse(["prune", "--keep-best", "2:metrics.val_loss:median"])
     with pytest.raises(SystemExit):
         parse(["prune", "--keep-latest", "-1"])
+
+
+def test_a_tag_or_branch_at_a_pruned_version_is_refused(tmp_path: Path) -> None:
+    """A tag or branch at a pruned version was made: it looked like a restart point, protected nothing (the bytes
+    were already given up) and every load of it raised PrunedError. Now it is refused with PrunedError, in the
+    API, the CLI and the REST move, and no ref is made."""
+    from datastates.tensor_bytes import move_branch
+
+    s = Store.open(tmp_path / "s")
+    old = s.save({"w": torch.ones(4)}, branch="main")
+    s.save({"w": torch.zeros(4)}, branch="main")
+    s.prune(KeepLatest(1))
+    s.branch("side", "main")
+    refs = (s.tags(), s.branches())
+    with pytest.raises(PrunedError, match=f"version {old.short} was pruned.*tag"):
+        s.tag("old", old.id)
+    with pytest.raises(PrunedError, match="branch"):
+        s.branch("fork", old.id)
+    with pytest.raises(PrunedError, match="branch"):
+        s.branch("side", old.id, force=True)
+    with pytest.raises(PrunedError):
+        move_branch(s, "side", old.id, s.resolve("side"))
+    assert (s.tags(), s.branches()) == refs
+    s.close()
+    r = subprocess.run([sys.executable, "-m", "datastates", "--store", str(tmp_path / "s"), "tag", "old", old.id],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "was pruned" in r.stderr and "Traceback" not in r.stderr
+    assert Store.open(tmp_path / "s").tags() == {}

@@ -237,11 +237,13 @@ class Repository:
     def create_branch(self, name: str, at: Any = "main", *, force: bool = False) -> str:
         """Create branch `name` at `at`; with force, move an existing one (logged). Returns the id.
 
-        Raises StoreClosedError, InvalidNameError, NotFoundError, ConflictError (exists, without force).
+        Raises StoreClosedError, InvalidNameError, NotFoundError, ConflictError (exists, without force),
+        PrunedError (`at` was pruned).
         """
         self.check_writable()
         check_name(name, "branch")
         vid = self.resolve(at)
+        self.refuse_pruned(vid, "branch")
         self.check_unlike_other_kind("branch", name)
         if force:
             with self.refs.locked():
@@ -253,13 +255,22 @@ class Repository:
 
     def create_tag(self, name: str, ref: Any = "main", message: str = "") -> str:
         """Create an immutable tag. Raises StoreClosedError, InvalidNameError, NotFoundError, ConflictError
-        (exists)."""
+        (exists), PrunedError (`ref` was pruned)."""
         self.check_writable()
         check_name(name, "tag")
         vid = self.resolve(ref)
+        self.refuse_pruned(vid, "tag")
         self.check_unlike_other_kind("tag", name)
         self.refs.add_if_new("tag", name, vid, message or f"tag {label(ref)}")
         return vid
+
+    def refuse_pruned(self, vid: str, kind: str) -> None:
+        """PrunedError if version `vid` was pruned: a `kind` ref at it would name tensors that are gone (or that
+        the next gc frees) and look like a restart point, while protecting nothing and loading nothing."""
+        if self.catalog.extra(vid).get("pruned"):
+            raise PrunedError(f"version {vid[:12]} was pruned: its tensors are gone or freed by the next gc, so a "
+                              f"{kind} at it could not be loaded; point the {kind} at a version that was kept "
+                              "(`datastates log` marks the pruned ones [pruned])")
 
     def check_unlike_other_kind(self, kind: str, name: str) -> None:
         """ConflictError if a new `kind` ref `name` would share its name with a ref of the other kind, or be
