@@ -17,6 +17,7 @@ import difflib
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import blake3
@@ -165,11 +166,11 @@ def move_branch(store: Store, name: str, to: Any, expected: str) -> str:
     PrunedError (`to` was pruned).
     """
     vid = store.resolve(to)
-    store.repo.refuse_pruned(vid, "branch")
     refs = store.refs
     if refs.get("branch", name) is None:
         raise NotFoundError(f"branch {name!r} does not exist; create it with POST /branches or `datastates branch`")
-    refs.set_if_equals("branch", name, expected, vid, f"move to {vid[:12]} (expected {expected[:12]})")
+    refs.set_if_equals("branch", name, expected, vid, f"move to {vid[:12]} (expected {expected[:12]})",
+                       check=partial(store.repo.refuse_pruned, vid, "branch"))
     return vid
 
 

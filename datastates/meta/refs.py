@@ -13,7 +13,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -172,15 +172,18 @@ class RefStore:
         append_line(self._log_path(kind, name), json.dumps(entry, sort_keys=True).encode())
 
     def set_if_equals(self, kind: Kind, name: str, old: str | None, new: str, message: str = "",
-                      *, locked: bool = False) -> None:
-        """Point `name` at `new` if it currently points at `old` (None: must not exist).
+                      *, locked: bool = False, check: Callable[[], None] | None = None) -> None:
+        """Point `name` at `new` if it currently points at `old` (None: must not exist). `check`, called with the
+        lock held, may raise to refuse the move (a prune, which holds the lock, cannot slip in between).
 
-        Raises ConflictError if another writer moved it first; nothing changes then.
+        Raises ConflictError if another writer moved it first, or what `check` raises; nothing changes then.
         """
         check_name(name, kind)
         if not locked:
             with self.locked():
-                return self.set_if_equals(kind, name, old, new, message, locked=True)
+                return self.set_if_equals(kind, name, old, new, message, locked=True, check=check)
+        if check is not None:
+            check()
         current = self.get(kind, name)
         if current != old:
             raise ConflictError(
@@ -189,10 +192,13 @@ class RefStore:
             )
         self._write(kind, name, old, new, message)
 
-    def add_if_new(self, kind: Kind, name: str, new: str, message: str = "") -> None:
-        """Create a ref; ConflictError if it exists already."""
+    def add_if_new(self, kind: Kind, name: str, new: str, message: str = "",
+                   *, check: Callable[[], None] | None = None) -> None:
+        """Create a ref; ConflictError if it exists already. `check`: as for `set_if_equals`."""
         check_name(name, kind)
         with self.locked():
+            if check is not None:
+                check()
             current = self.get(kind, name)
             if current is not None:
                 # Tags never move (git's tags neither): the way out is a delete; a branch moves, with force.

@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -243,14 +244,14 @@ class Repository:
         self.check_writable()
         check_name(name, "branch")
         vid = self.resolve(at)
-        self.refuse_pruned(vid, "branch")
         self.check_unlike_other_kind("branch", name)
+        kept = partial(self.refuse_pruned, vid, "branch")  # under the ref lock: a prune holds it to decide
         if force:
             with self.refs.locked():
                 old = self.refs.get("branch", name)
-                self.refs.set_if_equals("branch", name, old, vid, f"branch -f {label(at)}", locked=True)
+                self.refs.set_if_equals("branch", name, old, vid, f"branch -f {label(at)}", locked=True, check=kept)
         else:
-            self.refs.add_if_new("branch", name, vid, f"branch at {label(at)}")
+            self.refs.add_if_new("branch", name, vid, f"branch at {label(at)}", check=kept)
         return vid
 
     def create_tag(self, name: str, ref: Any = "main", message: str = "") -> str:
@@ -259,9 +260,9 @@ class Repository:
         self.check_writable()
         check_name(name, "tag")
         vid = self.resolve(ref)
-        self.refuse_pruned(vid, "tag")
         self.check_unlike_other_kind("tag", name)
-        self.refs.add_if_new("tag", name, vid, message or f"tag {label(ref)}")
+        self.refs.add_if_new("tag", name, vid, message or f"tag {label(ref)}",
+                             check=partial(self.refuse_pruned, vid, "tag"))
         return vid
 
     def refuse_pruned(self, vid: str, kind: str) -> None:
