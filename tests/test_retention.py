@@ -418,6 +418,19 @@ def test_cli_prune_parses_every_rule_and_prints_a_summary(store: Store, capsys: 
     assert len(store.catalog.pruned_ids()) == 20 - 9
 
 
+def test_cli_prune_again_does_not_say_nothing_can_be_freed(store: Store, capsys: pytest.CaptureFixture[str]) -> None:
+    """A second prune before gc printed "0 B can be freed after `datastates gc`" while gc freed what the first
+    prune gave up: the line now says what it counts and which command counts the rest."""
+    assert run(store, parse(["prune", "--keep-latest", "2"])) == 0
+    capsys.readouterr()
+    assert run(store, parse(["prune", "--keep-latest", "2"])) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    n = len(store.catalog.pruned_ids())
+    assert last == (f"0 B can be freed after `datastates gc`, beside what the {n} version(s) pruned before hold "
+                    "(`datastates gc --dry-run` counts all)")
+    assert store.gc(dry_run=True).total_freed > 0
+
+
 def test_cli_prune_without_a_rule_refuses(store: Store, capsys: pytest.CaptureFixture[str]) -> None:
     assert run(store, parse(["prune"])) == 2
     assert "--keep-latest" in capsys.readouterr().err

@@ -182,7 +182,10 @@ def _run_prune(store: Store, args: argparse.Namespace) -> int:
           f"{len(result.keep)} ({len(result.protected)} of them tagged, branch heads or protected); "
           f"{len(result.already_pruned)} pruned before")
     tail = "after `datastates gc`" if not result.dry_run else "once pruned and collected"
-    print(f"{human_bytes(result.bytes_freed)} can be freed {tail}")
+    # bytes_freed counts only this call's versions: "0 B" after a second prune hid what gc still frees
+    before = (f", beside what the {len(result.already_pruned)} version(s) pruned before hold "
+              "(`datastates gc --dry-run` counts all)" if result.already_pruned else "")
+    print(with_store(f"{human_bytes(result.bytes_freed)} can be freed {tail}{before}", getattr(args, "store", None)))
     return 0
 
 
