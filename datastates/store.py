@@ -33,6 +33,7 @@ from .base.comm import Comm, SingleComm, as_comm
 from .base.config import Flush, TierConfig
 from .errors import (
     ArgumentTypeError,
+    ConflictError,
     DataStatesError,
     InvalidArgumentError,
     PrunedError,
@@ -656,9 +657,17 @@ class Store(Queries):
     def branch(self, name: str, at: Any = "main", *, force: bool = False) -> str:
         """Create branch `name` at `at`; with force, move an existing one (logged). Returns the id.
 
-        Raises InvalidNameError, NotFoundError, ConflictError (exists, without force).
+        In a job of several ranks, a branch another rank made at the same version is no conflict (SPMD code
+        calls this on every rank); at another version it is.
+
+        Raises InvalidNameError, NotFoundError, ConflictError (exists, without force), PrunedError.
         """
-        return self.repo.create_branch(name, at, force=force)
+        try:
+            return self.repo.create_branch(name, at, force=force)
+        except ConflictError:
+            if not self._made_by_another_rank("branch", name, at):
+                raise
+            return self.resolve(at)
 
     def delete_branch(self, name: str, *, force: bool = False) -> str:
         """Delete a branch (its versions stay reachable by id and by the reflog), on cold too.
@@ -669,11 +678,25 @@ class Store(Queries):
         return self.repo.delete_ref("branch", name, force=force)
 
     def tag(self, name: str, ref: Any = "main", message: str = "") -> str:
-        """Create an immutable tag. Raises ConflictError if it exists (delete it first)."""
-        vid = self.repo.create_tag(name, ref, message)
+        """Create an immutable tag. Raises ConflictError if it exists (delete it first), InvalidNameError,
+        NotFoundError, PrunedError. In a job of several ranks, a tag another rank made at the same version is no
+        conflict (SPMD code calls this on every rank); at another version it is."""
+        try:
+            vid = self.repo.create_tag(name, ref, message)
+        except ConflictError:
+            if not self._made_by_another_rank("tag", name, ref):
+                raise
+            return self.resolve(ref)
         if self.flusher is not None:
             self.flusher.queue(vid)  # tagged versions always reach cold (and the tag with them)
         return vid
+
+    def _made_by_another_rank(self, kind: str, name: str, at: Any) -> bool:
+        """Whether ref `name` exists at the version `at` names while this store is one rank of several: what the
+        same `tag`/`branch` call on another rank of the job made (ranks sharing a node share its refs)."""
+        comm = getattr(self, "comm", None)
+        return (comm is not None and comm.size > 1
+                and self.refs.get(kind, name) == self.resolve(at))  # type: ignore[arg-type]
 
     def delete_tag(self, name: str) -> str:
         """Delete a tag (here and on cold); the version stays reachable by id."""

@@ -289,6 +289,19 @@ def test_mpi_a_save_that_would_orphan_the_branch_head_is_refused_on_every_rank_u
         assert s.fsck().ok
 
 
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
+def test_mpi_a_tag_or_branch_made_on_every_rank_at_one_version_is_no_conflict(tmp_path: Path) -> None:
+    """SPMD code calls `tag`/`branch` on every rank: all but the first raised ConflictError. The same ref at the
+    same version is now no conflict; a tag the ranks want at different versions still is, on the later rank."""
+    _, out = mpirun(2, tmp_path / "store", "tagall")
+    v1 = out[0]["v1"]
+    assert [(r["tag"], r["branch"]) for r in sorted(out, key=lambda r: r["rank"])] == [(v1, v1), (v1, v1)]
+    assert [r["other"] for r in sorted(out, key=lambda r: r["rank"])] == [v1, "ConflictError"]
+    assert all(r["tags"]["best"] == v1 for r in out)
+
+
 @pytest.mark.timeout(600)
 def test_torch_distributed_gloo_three_ranks_save_and_two_ranks_load(tmp_path: Path) -> None:
     store = tmp_path / "store"

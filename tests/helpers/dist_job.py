@@ -274,6 +274,25 @@ def main() -> None:
         report(rank, {"rank": rank, "first": first, "visible_after_refusal": visible,
                       "forced_parents": list(forced.parents), "v1": v1.id,
                       "log": [x.step for x in store.log("main")]})
+    elif mode == "tagall":
+        # SPMD code tags and branches on every rank: the same ref at the same version is no conflict on any
+        # rank; a tag at another version is.
+        v1 = store.save({**replicated_state(1), "shard": shard(rank, 1)}, step=1, replicated=["model", "optim"])
+        v2 = store.save({**replicated_state(2), "shard": shard(rank, 2)}, step=2, replicated=["model", "optim"])
+        row: dict[str, object] = {"rank": rank, "v1": v1.id}
+        # The same ref at once on every rank (whichever wins, each ends at v1); then one at another version per
+        # rank, rank 0 first (so that which one conflicts is known).
+        for what, call in (("tag", lambda: store.tag("best", v1.id)), ("branch", lambda: store.branch("b", v1.id)),
+                           ("other", lambda: store.tag("mine", (v1 if rank == 0 else v2).id))):
+            for turn in range(size) if what == "other" else [rank]:
+                store.comm.barrier()
+                if turn == rank:
+                    try:
+                        row[what] = call()
+                    except ds.DataStatesError as exc:
+                        row[what] = type(exc).__name__
+        row["tags"] = store.tags()
+        report(rank, row)
     elif mode == "load":
         v = store.version("main")
         # node-local tiers: first the packs this rank's load needs from other nodes (a restart)
