@@ -292,6 +292,20 @@ def test_mpi_a_save_that_would_orphan_the_branch_head_is_refused_on_every_rank_u
 @mpi
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
+def test_mpi_ranks_that_give_a_save_different_steps_or_branches_are_refused_on_every_rank(tmp_path: Path) -> None:
+    """A collective save recorded rank 0's step and branch and ignored the others' (a rank-local step counter
+    went unnoticed). Now every rank refuses it, naming each rank's value, and nothing is written."""
+    _, out = mpirun(2, tmp_path / "store", "lineage")
+    for r in out:
+        step, branch = r["firsts"]
+        assert step.startswith("InvalidArgumentError") and "step (step: rank 0 1, rank 1 2)" in step
+        assert branch.startswith("InvalidArgumentError") and "branch: rank 0 'b0', rank 1 'b1'" in branch
+        assert r["step"] == 1 and r["versions"] == 1 and r["branches"] == ["main"]
+
+
+@mpi
+@pytest.mark.mpi
+@pytest.mark.timeout(600)
 def test_mpi_a_tag_or_branch_made_on_every_rank_at_one_version_is_no_conflict(tmp_path: Path) -> None:
     """SPMD code calls `tag`/`branch` on every rank: all but the first raised ConflictError. The same ref at the
     same version is now no conflict; a tag the ranks want at different versions still is, on the later rank."""

@@ -83,20 +83,36 @@ def replicated_rows(entries: list[TensorEntry], patterns: list[str]) -> list[int
     return out
 
 
-def plan(entries: list[TensorEntry], patterns: list[str], comm: Comm) -> DistPlan:
+LINEAGE_FIELDS = ("branch", "parents", "step", "epoch", "force", "fork_of")
+"""The save arguments every rank must give alike: they place the one version in the lineage (rank 0's were
+taken and the others' ignored). Metrics, hparams and the message may differ (a rank's own loss): rank 0's are
+recorded."""
+
+
+def plan(entries: list[TensorEntry], patterns: list[str], comm: Comm,
+         request: dict[str, Any] | None = None) -> DistPlan:
     """Deal the replicated rows out over the ranks, largest first, each to the rank with the fewest
     bytes so far (ties: the lowest rank). Collective. Raises InvalidArgumentError, on every rank and
-    before anything is written, when the ranks' replicated entries differ (keys, dtypes, shapes)."""
+    before anything is written, when the ranks' replicated entries differ (keys, dtypes, shapes), or the
+    `LINEAGE_FIELDS` of their save `request`s do."""
     rows = replicated_rows(entries, patterns)
     sig = blake3.blake3(repr([(entries[i].key, dtype_name(entries[i].dtype), entries[i].shape, entries[i].nbytes)
                               for i in rows]).encode()).hexdigest()
-    sigs = comm.allgather((sig, len(rows), None))
+    lineage = None if request is None else {k: request.get(k) for k in LINEAGE_FIELDS}
+    sigs = comm.allgather((sig, len(rows), None, lineage))
     _raise_refusals(sigs)
-    if len({s for s, _, _ in sigs}) != 1:
-        counts = ", ".join(f"rank {r}: {n}" for r, (_, n, _) in enumerate(sigs))
+    if len({s for s, _, _, _ in sigs}) != 1:
+        counts = ", ".join(f"rank {r}: {n}" for r, (_, n, _, _) in enumerate(sigs))
         raise InvalidArgumentError(
             f"the entries declared replicated differ across ranks ({counts} replicated tensors, or other keys, "
             "dtypes or shapes); replicated=[...] must name entries that are identical on every rank")
+    differ = [k for k in LINEAGE_FIELDS if len({repr((got or {}).get(k)) for *_, got in sigs}) > 1]
+    if differ:
+        said = "; ".join(f"{k}: " + ", ".join(f"rank {r} {(got or {}).get(k)!r}" for r, (*_, got) in enumerate(sigs))
+                         for k in differ)
+        raise InvalidArgumentError(
+            f"the ranks of this collective save gave different {', '.join(differ)} ({said}); every rank must "
+            f"pass the same {', '.join(differ)} (one version is made for all); nothing was written")
     load = [0] * comm.size
     owners: dict[int, int] = {}
     for i in sorted(rows, key=lambda i: (-entries[i].nbytes, entries[i].key)):
@@ -115,11 +131,11 @@ def refuse_together(comm: Comm, exc: BaseException) -> None:
     other ranks, whose `plan` then raises, so that every rank refuses this save and the next one is the next on
     every rank. Otherwise the others' plan met this rank's next save's, and one version held two steps' shards.
     Collective; the caller raises `exc` after it."""
-    comm.allgather(("", 0, f"{type(exc).__name__}: {exc}"))
+    comm.allgather(("", 0, f"{type(exc).__name__}: {exc}", None))
 
 
-def _raise_refusals(sigs: list[tuple[str, int, str | None]]) -> None:
-    refused = [f"rank {r}: {why}" for r, (_, _, why) in enumerate(sigs) if why is not None]
+def _raise_refusals(sigs: list[tuple[str, int, str | None, Any]]) -> None:
+    refused = [f"rank {r}: {why}" for r, (_, _, why, _) in enumerate(sigs) if why is not None]
     if refused:
         raise InvalidArgumentError(f"the collective save was refused on {'; '.join(refused)}; every rank refuses "
                                    "it and nothing was written: fix that rank's state and save again")

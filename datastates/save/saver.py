@@ -116,7 +116,7 @@ class Saver:
         job = SaveJob(tree, rows, request, handle, self.chunk_size, t0=t_call, encoded=encoded, holds=holds)
         if group is not None:
             handle.abandonable = False
-            job.dist = plan(job.entries, replicated or [], group)
+            job.dist = plan(job.entries, replicated or [], group, request)
             # The commit's collectives run on the pipeline thread while the caller may be in the next save's plan:
             # on one communicator the two threads' messages crossed (mixed saves, a gloo abort, hangs).
             job.dist.comm = commit_comm or group

@@ -274,6 +274,20 @@ def main() -> None:
         report(rank, {"rank": rank, "first": first, "visible_after_refusal": visible,
                       "forced_parents": list(forced.parents), "v1": v1.id,
                       "log": [x.step for x in store.log("main")]})
+    elif mode == "lineage":
+        # Rank 1 gives another step, then another branch: rank 0's were recorded and rank 1's ignored. Every rank
+        # refuses such a save, before anything is written; the next save with the same arguments works.
+        state = {**replicated_state(1), "shard": shard(rank, 1)}
+        firsts: list[str] = []
+        for kw in ({"step": 1 + rank}, {"step": 1, "branch": f"b{rank}"}):
+            try:
+                store.save(state, replicated=["model", "optim"], **kw)  # type: ignore[arg-type]
+                firsts.append("saved")
+            except ds.DataStatesError as exc:
+                firsts.append(f"{type(exc).__name__}: {exc}")
+        v = store.save(state, step=1, replicated=["model", "optim"])
+        report(rank, {"rank": rank, "firsts": firsts, "step": v.step, "versions": len(store.find("")),
+                      "branches": sorted(store.branches())})
     elif mode == "tagall":
         # SPMD code tags and branches on every rank: the same ref at the same version is no conflict on any
         # rank; a tag at another version is.
