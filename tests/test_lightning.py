@@ -126,3 +126,22 @@ def test_teardown_after_the_store_was_closed(tmp_path: Path) -> None:
     io.teardown()
     with ds.Store.open(tmp_path / "s") as again:
         assert again.load("run")["state_dict"]["w"].tolist() == [1.0, 1.0]
+
+
+@pytest.mark.parametrize("score", [float("nan"), float("inf")])
+def test_a_checkpoint_whose_monitored_score_is_not_finite_is_saved(tmp_path: Path, score: float) -> None:
+    """A run whose monitored loss diverged (NaN) has ModelCheckpoint's current_score NaN: the plugin passed it as
+    the version's metric, which records refuse, so the checkpoint raised and ended the training (torch.save
+    would have written it). The score is recorded as no value (None); the checkpoint itself keeps it."""
+    with ds.Store.open(tmp_path / "s") as store:
+        io = DataStatesCheckpointIO(store, branch="run")
+        state = {"state_dict": {"w": torch.ones(2)},
+                 "callbacks": {"ModelCheckpoint{'monitor': 'val_loss'}": {"current_score": torch.tensor(score),
+                                                                         "monitor": "val_loss"}}}
+        io.save_checkpoint(state, tmp_path / "last.ckpt")
+        io.teardown()
+        v = store.version("run")
+        assert v.metrics == {"val_loss": None}
+        got = io.load_checkpoint(tmp_path / "last.ckpt")
+        cs = got["callbacks"]["ModelCheckpoint{'monitor': 'val_loss'}"]["current_score"]
+        assert torch.equal(cs.isnan(), torch.tensor(score).isnan()) and cs.isinf() == torch.tensor(score).isinf()

@@ -19,6 +19,7 @@ unless `allow_pickle=True` (Lightning checkpoints are plain containers, tensors 
 
 from __future__ import annotations
 
+import math
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -57,12 +58,15 @@ class DataStatesCheckpointIO(CheckpointIO):
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike[str],
                         storage_options: Any | None = None) -> None:
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float | None] = {}
         for key, state in (checkpoint.get("callbacks") or {}).items():
             if isinstance(state, dict) and "ModelCheckpoint" in str(key):
                 score, monitor = state.get("current_score"), state.get("monitor")
                 if monitor and score is not None:
-                    metrics[str(monitor)] = float(score)
+                    # A diverged run's NaN (or inf) score is recorded as no value: records hold finite numbers
+                    # only, and refusing the save would end the training that torch.save checkpoints through.
+                    value = float(score)
+                    metrics[str(monitor)] = value if math.isfinite(value) else None
         handle = self.store.save_async(checkpoint, branch=self.branch, step=int(checkpoint.get("global_step", 0)),
                                        epoch=int(checkpoint.get("epoch", 0)), metrics=metrics,
                                        message=Path(path).name, allow_pickle=self.allow_pickle)
