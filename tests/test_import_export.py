@@ -224,3 +224,24 @@ def test_export_of_a_version_of_several_ranks_takes_a_rank(tmp_path: Path, capsy
     for argv in (["ls", "main"], ["diff", "main", "main"]):
         assert cli(["--store", str(store), *argv]) == 0
         assert f"note: {v.short} was saved by 2 ranks; this reads rank 0's manifest" in capsys.readouterr().err
+
+
+def test_dcp_export_refuses_a_state_dcp_would_change(tmp_path: Path) -> None:
+    """DCP keeps str key paths: an optimizer's state keyed by parameter index came back keyed '0', '1' (which
+    load_state_dict attaches to no parameter: Adam's moments silently lost on resume), and an empty dict (a fresh
+    optimizer's state) was dropped; the DCP export said nothing (a hunt). It is refused, and writes nothing."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    with ds.Store.open(tmp_path / "s") as store:
+        stepped = store.save({"model": model, "optim": opt})
+        fresh = store.save({"model": model, "optim": torch.optim.Adam(model.parameters())})
+        for v, message in ((stepped, "optim.state has the key 0 .* which DCP turns into a str"),
+                           (fresh, "optim.state is an empty dict, which DCP drops")):
+            with pytest.raises(ds.UnsupportedValueError, match=message + ".*--format torch"):
+                ds.export(store, v, "dcp", tmp_path / "d")
+            assert not (tmp_path / "d").exists()
+            back = store.load(ds.import_checkpoints(store, ds.export(store, v, "torch", tmp_path / f"{v.short}.pt"),
+                                                    branch=f"b{v.short}").versions[0])
+            assert _same(back, store.load(v))  # what the refusal points to holds the state

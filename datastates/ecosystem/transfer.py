@@ -95,14 +95,16 @@ def import_checkpoints(store: Store, paths: Iterable[str | os.PathLike[str]] | s
 def export(store: Store, ref: Any, fmt: str, out: str | os.PathLike[str], *, allow_pickle: bool = False,
            rank: int | None = None) -> Path:
     """Write version `ref` as `fmt` ("safetensors", "torch" or "dcp") at `out`; return the path.
-    safetensors holds the tensors under their key paths (other values are left out); torch and dcp hold
-    the whole state. A version saved by several ranks (each rank's own entries, and replicated ones) is written
+    safetensors holds the tensors under their key paths (other values are left out); torch holds the whole
+    state, dcp a state whose dict keys are str and whose dicts are not empty (others are refused). A version
+    saved by several ranks (each rank's own entries, and replicated ones) is written
     one rank at a time: `rank` (CLI: `--rank`) names which; without it, each rank of a job of that world size
     exports its own, and elsewhere the export is refused (a world-size-1 load gives only the replicated entries:
     the file would silently lack every rank's own). A version holding values saved
     with pickle is refused unless `allow_pickle` (CLI: `--allow-pickle`): reading them runs code. Raises
     NotFoundError (ref; a rank it was not saved by), InvalidArgumentError (unknown format, existing target, a
-    version of several ranks without `rank`), UnsupportedValueError (pickled values, without `allow_pickle`)."""
+    version of several ranks without `rank`), UnsupportedValueError (pickled values, without `allow_pickle`; a
+    state the format cannot hold as it is)."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     v = store.version(ref)

@@ -206,16 +206,59 @@ def tensors_by_key(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return out
 
 
+def _dcp_unfit(state: Any) -> str | None:
+    """Where DCP would not hold `state` as it is, or None: DCP keeps a state as flat str key paths, so an empty dict
+    is dropped and a non-str dict key comes back as a str (an optimizer's `state` keyed by parameter index, whose
+    loaded `load_state_dict` then attaches the moments to no parameter). Found by the same flatten and unflatten
+    DCP runs, compared with `state`."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+
+    if not isinstance(state, dict):
+        return f"the state is a {type(state).__name__}, and DCP holds a dict only"
+    back = unflatten_state_dict(*flatten_state_dict(state))
+
+    def walk(a: Any, b: Any, path: str) -> str | None:
+        if isinstance(a, dict):
+            if not isinstance(b, dict) or list(a) != list(b):
+                for k in a:
+                    if not isinstance(k, str):
+                        where = path or "the state"
+                        return f"{where} has the key {k!r} (a {type(k).__name__}), which DCP turns into a str"
+                    if isinstance(b, dict) and k not in b:
+                        return f"{f'{path}.{k}' if path else k} is an empty dict, which DCP drops"
+                return f"{path or 'the state'} does not come back from DCP as it is"
+            for k in a:
+                found = walk(a[k], b[k], f"{path}.{k}" if path else str(k))
+                if found:
+                    return found
+        elif isinstance(a, (list, tuple)):
+            if type(a) is not type(b) or len(a) != len(b):
+                return f"{path} does not come back from DCP as it is"
+            for i, (x, y) in enumerate(zip(a, b)):
+                found = walk(x, y, f"{path}.{i}")
+                if found:
+                    return found
+        return None
+
+    return walk(state, back, "")
+
+
 def write(state: Any, fmt: str, out: str | os.PathLike[str], *, version: str) -> Path:
     """Write `state` as `fmt` at `out` (a file for safetensors and torch, a directory for dcp). Raises
     InvalidArgumentError for an unknown format or an existing target (a file, or a directory that is not an
-    empty one for dcp)."""
+    empty one for dcp), UnsupportedValueError for a state dcp cannot hold as it is (an empty dict, a key that is
+    not a str)."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir()) or fmt != "dcp"):
         # (an empty directory only takes a dcp checkpoint, which is a directory; the others are files)
         raise InvalidArgumentError(f"{target} exists; give a new path (nothing is overwritten)")
+    if fmt == "dcp":
+        unfit = _dcp_unfit(state)
+        if unfit:
+            raise UnsupportedValueError(f"{unfit}: the DCP checkpoint would not load back as this version; export "
+                                        "with --format torch (Python: fmt='torch'), which holds the whole state")
     target.parent.mkdir(parents=True, exist_ok=True)
     if fmt == "safetensors":
         from safetensors.torch import save_file
