@@ -245,3 +245,15 @@ def test_dcp_export_refuses_a_state_dcp_would_change(tmp_path: Path) -> None:
             back = store.load(ds.import_checkpoints(store, ds.export(store, v, "torch", tmp_path / f"{v.short}.pt"),
                                                     branch=f"b{v.short}").versions[0])
             assert _same(back, store.load(v))  # what the refusal points to holds the state
+
+
+def test_safetensors_export_refuses_a_dtype_it_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """safetensors has no complex128: its KeyError reached the command line as a traceback (a hunt)."""
+    s = str(tmp_path / "s")
+    with ds.Store.open(s) as store:
+        store.save({"z": torch.ones(2, dtype=torch.complex128), "w": torch.ones(2)})
+    out = tmp_path / "z.safetensors"
+    assert cli(["--store", s, "export", "main", str(out), "--format", "safetensors"]) == 1
+    err = capsys.readouterr().err
+    assert "UnsupportedValueError: z is a complex128 tensor, which safetensors cannot hold" in err
+    assert "Traceback" not in err and not out.exists()

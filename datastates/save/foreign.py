@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..errors import InvalidArgumentError, NotFoundError, UnsupportedValueError
+from .tree import dtype_name
 
 FORMATS = ("safetensors", "torch", "dcp")
 
@@ -246,15 +247,26 @@ def _dcp_unfit(state: Any) -> str | None:
 def write(state: Any, fmt: str, out: str | os.PathLike[str], *, version: str) -> Path:
     """Write `state` as `fmt` at `out` (a file for safetensors and torch, a directory for dcp). Raises
     InvalidArgumentError for an unknown format or an existing target (a file, or a directory that is not an
-    empty one for dcp), UnsupportedValueError for a state dcp cannot hold as it is (an empty dict, a key that is
-    not a str)."""
+    empty one for dcp), UnsupportedValueError for a state the format cannot hold as it is (safetensors: a dtype it
+    lacks; dcp: an empty dict, a key that is not a str)."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     target = Path(out)
     if target.exists() and (not target.is_dir() or any(target.iterdir()) or fmt != "dcp"):
         # (an empty directory only takes a dcp checkpoint, which is a directory; the others are files)
         raise InvalidArgumentError(f"{target} exists; give a new path (nothing is overwritten)")
-    if fmt == "dcp":
+    flat: dict[str, torch.Tensor] = {}
+    if fmt == "safetensors":
+        import safetensors.torch
+
+        # safetensors refuses tensors that share memory: each key gets its own contiguous copy.
+        flat = {k: t.detach().contiguous().clone() for k, t in tensors_by_key(state).items()}
+        known = getattr(safetensors.torch, "_SIZE", None)  # the dtypes it writes (its KeyError names no key)
+        for k, t in flat.items():
+            if known is not None and t.dtype not in known:
+                raise UnsupportedValueError(f"{k} is a {dtype_name(t.dtype)} tensor, which safetensors cannot hold; "
+                                            "export with --format torch (Python: fmt='torch')")
+    elif fmt == "dcp":
         unfit = _dcp_unfit(state)
         if unfit:
             raise UnsupportedValueError(f"{unfit}: the DCP checkpoint would not load back as this version; export "
@@ -263,8 +275,6 @@ def write(state: Any, fmt: str, out: str | os.PathLike[str], *, version: str) ->
     if fmt == "safetensors":
         from safetensors.torch import save_file
 
-        # safetensors refuses tensors that share memory: each key gets its own contiguous copy.
-        flat = {k: t.detach().contiguous().clone() for k, t in tensors_by_key(state).items()}
         save_file(flat, str(target), metadata={"datastates.version": version})
     elif fmt == "torch":
         torch.save(state, target)
