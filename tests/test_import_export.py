@@ -257,3 +257,46 @@ def test_safetensors_export_refuses_a_dtype_it_lacks(tmp_path: Path, capsys: pyt
     err = capsys.readouterr().err
     assert "UnsupportedValueError: z is a complex128 tensor, which safetensors cannot hold" in err
     assert "Traceback" not in err and not out.exists()
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
+def test_an_export_that_fails_leaves_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """A write that failed half way (a full disk) left a partial file or directory at the target, which a retry
+    then refused as existing; the errors were torch's RuntimeError, safetensors' SafetensorError or DCP's
+    CheckpointException, a traceback on the command line (a hunt). The export is written under a temporary name
+    and renamed once whole."""
+    import errno
+
+    import safetensors.torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    def torch_save(obj: Any, f: Any, *a: Any, **kw: Any) -> None:
+        f.write(b"PK\x03\x04 partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 768 vs 662")
+
+    def save_file(tensors: Any, filename: str, *a: Any, **kw: Any) -> None:
+        Path(filename).write_bytes(b"partial")
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    def dcp_save(state: Any, checkpoint_id: str, **kw: Any) -> None:
+        (Path(checkpoint_id) / "__0_0.distcp").write_bytes(b"partial")
+        raise CheckpointException("CheckpointException ranks:dict_keys([0])",
+                                  {0: (OSError(errno.ENOSPC, "No space left on device"), None)})
+
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save({"model": _model_state(1), "step": 1})
+        out = tmp_path / "exports" / ("out" if fmt == "dcp" else f"out.{fmt}")
+        with monkeypatch.context() as m:
+            m.setattr(torch, "save", torch_save)
+            m.setattr(safetensors.torch, "save_file", save_file)
+            m.setattr(dcp, "save", dcp_save)
+            with pytest.raises(OSError, match=f"writing {out}") as info:
+                ds.export(store, v, fmt, out)
+        if fmt != "torch":  # torch's RuntimeError does not say the disk is full
+            assert isinstance(info.value, ds.StorageFullError)
+        assert list(out.parent.iterdir()) == []
+        assert ds.export(store, v, fmt, out) == out  # the retry finds nothing in the way
+        back = store.load(ds.import_checkpoints(store, out, branch="back", allow_pickle=fmt == "dcp").versions[0])
+        assert _same(back["model"] if fmt != "safetensors" else back,
+                     _model_state(1) if fmt != "safetensors" else {f"model.{k}": t for k, t in _model_state(1).items()})

@@ -9,11 +9,13 @@ containers, tensors, numbers), and a file that needs more is refused with Unsupp
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import pickle
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidArgumentError, NotFoundError, UnsupportedValueError
+from ..errors import InvalidArgumentError, NotFoundError, StorageFullError, UnsupportedValueError
 from .tree import dtype_name
 
 FORMATS = ("safetensors", "torch", "dcp")
@@ -244,11 +246,39 @@ def _dcp_unfit(state: Any) -> str | None:
     return walk(state, back, "")
 
 
+def _cause(exc: BaseException) -> BaseException:
+    """The error inside DCP's CheckpointException (whose text is every rank's traceback), else `exc` itself."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        inner = next(iter(failures.values()))
+        if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):
+            return inner[0]
+    return exc
+
+
+def _write_failed(target: Path, exc: BaseException) -> OSError:
+    """A write of `target` that failed inside torch, safetensors or DCP (which raise RuntimeError, SafetensorError or
+    a CheckpointException around the OSError), as an OSError: StorageFullError for a full disk or quota."""
+    exc = _cause(exc)
+    text = str(exc)
+    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) or any(
+        s in text for s in ("No space left", "os error 28", "Disk quota exceeded", "os error 122"))
+    if full:
+        return StorageFullError(errno.ENOSPC, f"no space left while writing {target}; free space or raise the "
+                                "quota, then retry (nothing was left behind)")
+    if isinstance(exc, OSError):
+        return exc
+    return OSError(errno.EIO, f"writing {target} failed ({type(exc).__name__}: {text[:300]}); nothing was left "
+                   "behind")
+
+
 def write(state: Any, fmt: str, out: str | os.PathLike[str], *, version: str) -> Path:
-    """Write `state` as `fmt` at `out` (a file for safetensors and torch, a directory for dcp). Raises
-    InvalidArgumentError for an unknown format or an existing target (a file, or a directory that is not an
-    empty one for dcp), UnsupportedValueError for a state the format cannot hold as it is (safetensors: a dtype it
-    lacks; dcp: an empty dict, a key that is not a str)."""
+    """Write `state` as `fmt` at `out` (a file for safetensors and torch, a directory for dcp), all or nothing: into
+    a temporary name next to it, renamed into place once whole, so that a failed write (a full disk) leaves no
+    partial file that a retry would find in the way. Raises InvalidArgumentError for an unknown format or an
+    existing target (a file, or a directory that is not an empty one for dcp), UnsupportedValueError for a state
+    the format cannot hold as it is (safetensors: a dtype it lacks; dcp: an empty dict, a key that is not a str),
+    StorageFullError and OSError for a write that failed."""
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     target = Path(out)
@@ -271,15 +301,35 @@ def write(state: Any, fmt: str, out: str | os.PathLike[str], *, version: str) ->
         if unfit:
             raise UnsupportedValueError(f"{unfit}: the DCP checkpoint would not load back as this version; export "
                                         "with --format torch (Python: fmt='torch'), which holds the whole state")
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, which DCP wraps errors in
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    if fmt == "safetensors":
-        from safetensors.torch import save_file
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
 
-        save_file(flat, str(target), metadata={"datastates.version": version})
-    elif fmt == "torch":
-        torch.save(state, target)
-    else:
-        import torch.distributed.checkpoint as dcp
+            tmp.touch(exist_ok=False)  # a directory we may not write fails here, as an OSError
+            save_file(flat, str(tmp), metadata={"datastates.version": version})
+        elif fmt == "torch":
+            with open(tmp, "xb") as f:
+                torch.save(state, f)
+        else:
+            import torch.distributed.checkpoint as dcp
 
-        dcp.save(state, checkpoint_id=str(target))
+            tmp.mkdir()
+            dcp.save(state, checkpoint_id=str(tmp))
+        if fmt == "dcp":
+            os.rename(tmp, target)  # onto a missing or empty directory only
+        else:
+            os.link(tmp, target)  # never over a file made meanwhile
+            tmp.unlink()
+    except (Exception, CheckpointException) as exc:
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
+        if isinstance(exc, FileExistsError) or isinstance(exc, OSError) and exc.errno == errno.ENOTEMPTY:
+            raise InvalidArgumentError(f"{target} exists; give a new path (nothing is overwritten)") from None
+        raise _write_failed(target, exc) from exc
     return target
