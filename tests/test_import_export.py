@@ -300,3 +300,24 @@ def test_an_export_that_fails_leaves_nothing(tmp_path: Path, monkeypatch: pytest
         back = store.load(ds.import_checkpoints(store, out, branch="back", allow_pickle=fmt == "dcp").versions[0])
         assert _same(back["model"] if fmt != "safetensors" else back,
                      _model_state(1) if fmt != "safetensors" else {f"model.{k}": t for k, t in _model_state(1).items()})
+
+
+def test_a_damaged_dcp_directory_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """DCP raises a CheckpointException, a BaseException, for a damaged directory: it passed every handler and
+    reached the command line as a traceback (a hunt)."""
+    import torch.distributed.checkpoint as dcp
+
+    damaged = {"no-data": lambda d: [f.unlink() for f in d.glob("*.distcp")],
+               "bad-metadata": lambda d: (d / ".metadata").write_bytes(b"garbage"),
+               "cut-data": lambda d: [f.write_bytes(f.read_bytes()[:5]) for f in d.glob("*.distcp")]}
+    s = str(tmp_path / "s")
+    for name, damage in damaged.items():
+        dcp.save({"model": _model_state(1)}, checkpoint_id=str(tmp_path / name))
+        damage(tmp_path / name)
+        with ds.Store.open(s) as store:
+            with pytest.raises(ds.InvalidArgumentError, match=f"{name} is not a checkpoint torch.distributed"):
+                ds.import_checkpoints(store, tmp_path / name, allow_pickle=True)
+            assert store.branches() == {}
+        capsys.readouterr()
+        assert cli(["--store", s, "import", str(tmp_path / name), "--allow-pickle"]) == 1
+        assert "datastates: InvalidArgumentError" in capsys.readouterr().err

@@ -159,10 +159,14 @@ def _read_dcp(p: Path, allow_pickle: bool) -> Foreign:
     if not allow_pickle:
         raise UnsupportedValueError(f"{p} is a DCP checkpoint, whose .metadata file is a pickle; import it only if "
                                     "you trust it, with --allow-pickle (allow_pickle=True)")
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, which DCP wraps errors in
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(str(p), os.path.join(tmp, "state.pt"))
+        try:
+            dcp_to_torch_save(str(p), os.path.join(tmp, "state.pt"))
+        except (Exception, CheckpointException) as exc:  # a damaged .metadata, a data file missing or cut short
+            raise _unreadable(p, _cause(exc), "torch.distributed.checkpoint") from None
         state, _ = _torch_load(Path(tmp) / "state.pt", allow_pickle=True)
     return Foreign(p, "dcp", state)
 
