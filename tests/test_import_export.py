@@ -321,3 +321,17 @@ def test_a_damaged_dcp_directory_is_named(tmp_path: Path, capsys: pytest.Capture
         capsys.readouterr()
         assert cli(["--store", s, "import", str(tmp_path / name), "--allow-pickle"]) == 1
         assert "datastates: InvalidArgumentError" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text", ["{nope", "[1, 2]", '{"global_step": "abc"}', '{"global_step": 1.5}',
+                                  '{"global_step": NaN}', '{"global_step": 1, "log_history": [1]}', "\xff"])
+def test_a_bad_trainer_state_json_is_named(tmp_path: Path, text: str) -> None:
+    """trainer_state.json was read as it was: JSONDecodeError, AttributeError, ValueError, TypeError (a hunt)."""
+    d = tmp_path / "checkpoint-1"
+    d.mkdir()
+    torch.save(_model_state(1), d / "pytorch_model.bin")
+    (d / "trainer_state.json").write_bytes(text.encode("latin-1"))
+    with ds.Store.open(tmp_path / "s") as store:
+        with pytest.raises(ds.InvalidArgumentError, match="trainer_state.json"):
+            ds.import_checkpoints(store, d)
+        assert store.branches() == {}

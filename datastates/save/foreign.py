@@ -136,8 +136,25 @@ def read(path: str | os.PathLike[str], *, allow_pickle: bool = False) -> Foreign
     return Foreign(p, "torch", state, needs_pickle=pickled)
 
 
+def _trainer_state(path: Path) -> dict[str, Any]:
+    """A Trainer's trainer_state.json: a JSON object whose global_step, when there, is a whole number and whose
+    log_history, when there, is a list of objects. Raises InvalidArgumentError naming the file otherwise."""
+    try:
+        state = json.loads(path.read_bytes())
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise _unreadable(path, exc, "the trainer_state.json reader") from None
+    step = state.get("global_step") if isinstance(state, dict) else None
+    history = state.get("log_history", []) if isinstance(state, dict) else None
+    if not isinstance(state, dict) or step is not None and (not isinstance(step, int) or isinstance(step, bool)) \
+            or not isinstance(history, list) or not all(isinstance(e, dict) for e in history):
+        raise InvalidArgumentError(
+            f"{path} is not a Trainer's trainer_state.json (an object whose global_step is a whole number and "
+            "whose log_history is a list of objects); fix or remove that file, or import the weights file alone")
+    return state
+
+
 def _read_hf(p: Path, allow_pickle: bool) -> Foreign:
-    trainer_state = json.loads((p / "trainer_state.json").read_text())
+    trainer_state = _trainer_state(p / "trainer_state.json")
     if any(p.glob("*.safetensors")):
         model = _safetensors_dir(p)
     elif (p / "pytorch_model.bin").exists():
