@@ -335,3 +335,24 @@ def test_a_bad_trainer_state_json_is_named(tmp_path: Path, text: str) -> None:
         with pytest.raises(ds.InvalidArgumentError, match="trainer_state.json"):
             ds.import_checkpoints(store, d)
         assert store.branches() == {}
+
+
+def test_an_import_a_save_would_refuse_imports_nothing(tmp_path: Path) -> None:
+    """The saves checked each file's step, metrics and message one by one: a step past 2**63-1 in the last file's
+    name, a metric named '' in a Trainer's log, or a file name that is not UTF-8 was refused after the files before
+    it were imported (a hunt). Every request is checked before the first save; a name not UTF-8 is imported."""
+    torch.save({"model": _model_state(1)}, tmp_path / "ckpt-1.pt")
+    torch.save({"model": _model_state(2)}, tmp_path / f"ckpt-{2**64}.pt")
+    hf = tmp_path / "checkpoint-3"
+    hf.mkdir()
+    torch.save(_model_state(3), hf / "pytorch_model.bin")
+    (hf / "trainer_state.json").write_text(json.dumps({"global_step": 3, "log_history": [{"": 1.0}]}))
+    with ds.Store.open(tmp_path / "s") as store:
+        for bad, message in ((tmp_path / f"ckpt-{2**64}.pt", "is out of range"), (hf, "metrics has the key ''")):
+            with pytest.raises(ds.InvalidArgumentError, match=f"{bad.name}: .*{message}.*nothing was imported"):
+                ds.import_checkpoints(store, [tmp_path / "ckpt-1.pt", bad], branch="x")
+            assert store.branches() == {} and store.versions_table().num_rows == 0
+        odd = os.fsdecode(bytes(tmp_path) + b"/ckpt-\xff-4.pt")
+        torch.save({"model": _model_state(4)}, odd)
+        rep = ds.import_checkpoints(store, [tmp_path / "ckpt-1.pt", odd], branch="x")
+        assert [v.message for v in rep.versions] == ["import torch: ckpt-1.pt", "import torch: ckpt-\ufffd-4.pt"]

@@ -24,6 +24,7 @@ from ..base.progress import bar
 from ..errors import InvalidArgumentError, NotFoundError, UnsupportedValueError
 from ..meta.versions import Version
 from ..save.foreign import FORMATS, Foreign, read, step_of, write
+from ..save.request import save_request
 from ..save.tree import flatten
 from ..store import Store
 
@@ -78,13 +79,21 @@ def import_checkpoints(store: Store, paths: Iterable[str | os.PathLike[str]] | s
         except UnsupportedValueError as exc:
             raise UnsupportedValueError(f"{f.path}: {exc}; nothing was imported") from None
     steps = [step_of(f, step_from) for f in read_]
+    # (a file name that is not UTF-8 has lone surrogates in Python, which a message may not hold)
+    messages = [f"import {f.kind}: {os.fsencode(f.path.name).decode('utf-8', 'replace')}" for f in read_]
+    for f, step, message in zip(read_, steps, messages):  # what the saves would refuse, before the first one
+        try:
+            save_request(store.resolve, branch=branch, parents=None, step=step, epoch=None, hparams=None,
+                         metrics=f.metrics or None, message=message, fork_of=None, explore=None)
+        except (InvalidArgumentError, UnsupportedValueError) as exc:
+            raise type(exc)(f"{f.path}: {exc}; nothing was imported") from None
     order = sorted(range(len(read_)), key=lambda i: (steps[i] is None, steps[i] or 0, str(read_[i].path)))
     report = ImportReport()
     with bar(len(order), "import", unit="checkpoint") as b:
         for i in order:
             f = read_[i]
             v = store.save(f.state, branch=branch, step=steps[i], metrics=f.metrics or None,
-                           message=f"import {f.kind}: {f.path.name}", allow_pickle=f.needs_pickle)
+                           message=messages[i], allow_pickle=f.needs_pickle)
             report.versions.append(v)
             report.bytes_total += v.bytes_total
             report.bytes_new += v.bytes_new
