@@ -356,3 +356,14 @@ def test_an_import_a_save_would_refuse_imports_nothing(tmp_path: Path) -> None:
         torch.save({"model": _model_state(4)}, odd)
         rep = ds.import_checkpoints(store, [tmp_path / "ckpt-1.pt", odd], branch="x")
         assert [v.message for v in rep.versions] == ["import torch: ckpt-1.pt", "import torch: ckpt-\ufffd-4.pt"]
+
+
+def test_allow_pickle_keeps_a_value_the_store_pickles(tmp_path: Path) -> None:
+    """A set (which torch.load reads with weights_only) was refused with a hint to allow pickle, and refused again
+    with --allow-pickle: the import passed pickle on only for files that needed it to load (a hunt)."""
+    torch.save({"model": _model_state(1), "seen": {1, 2}}, tmp_path / "step-1.pt")
+    with ds.Store.open(tmp_path / "s") as store:
+        with pytest.raises(ds.UnsupportedValueError, match="nothing was imported .*import with --allow-pickle"):
+            ds.import_checkpoints(store, tmp_path / "step-1.pt")
+        rep = ds.import_checkpoints(store, tmp_path / "step-1.pt", allow_pickle=True)
+        assert store.load(rep.versions[0], allow_pickle=True)["seen"] == {1, 2}

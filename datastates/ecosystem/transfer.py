@@ -74,10 +74,16 @@ def import_checkpoints(store: Store, paths: Iterable[str | os.PathLike[str]] | s
             read_.append(read(path, allow_pickle=allow_pickle))
             b.update(1)
     for f in read_:  # what torch.load reads the store may refuse (a sparse tensor): find it before any save
+        # A value weights_only reads but the store keeps only as a pickle (a set, a complex number) is kept so
+        # when the caller allowed pickle, as the refusal's hint says.
+        f.needs_pickle |= allow_pickle
         try:
             flatten(f.state, allow_pickle=f.needs_pickle)
         except UnsupportedValueError as exc:
-            raise UnsupportedValueError(f"{f.path}: {exc}; nothing was imported") from None
+            hint = "" if allow_pickle or "pickle" not in str(exc) else (
+                " (to keep it as a pickle, which loading it then needs allowed too: import with --allow-pickle, "
+                "Python allow_pickle=True)")
+            raise UnsupportedValueError(f"{f.path}: {exc}; nothing was imported{hint}") from None
     steps = [step_of(f, step_from) for f in read_]
     # (a file name that is not UTF-8 has lone surrogates in Python, which a message may not hold)
     messages = [f"import {f.kind}: {os.fsencode(f.path.name).decode('utf-8', 'replace')}" for f in read_]
