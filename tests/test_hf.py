@@ -121,3 +121,19 @@ def test_a_trainer_that_saves_no_checkpoint_reserves_nothing(tmp_path: Path, mon
         assert cb.reserved is None and made == [] and store.pool.allocated_bytes == 0
         with pytest.raises(ds.NotFoundError, match="no versions yet"):
             store.log("run")
+
+
+def test_a_version_whose_step_or_model_is_not_the_callbacks_is_refused(tmp_path: Path) -> None:
+    """checkpoint_dir named the directory after trainer_state's global_step as it was: a str such as '/../../x'
+    (from an imported trainer_state.json) put pytorch_model.bin outside `out`; a nested model raised AttributeError
+    (a hunt)."""
+    out = tmp_path / "a" / "out"
+    with ds.Store.open(tmp_path / "s") as store:
+        for state in ({"model": {"w": torch.ones(2)}, "trainer_state": {"global_step": "/../../escaped"}},
+                      {"model": {"w": torch.ones(2)}, "trainer_state": [1]},
+                      {"model": {"enc": {"w": torch.ones(2)}}, "trainer_state": {"global_step": 1}},
+                      {"model": [torch.ones(2)], "trainer_state": {"global_step": 1}}):
+            v = store.save(state)
+            with pytest.raises(ds.NotFoundError, match=f"version {v.short} was not saved by DataStatesCallback"):
+                checkpoint_dir(store, v, out)
+    assert not (tmp_path / "escaped").exists() and not out.exists()

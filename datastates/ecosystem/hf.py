@@ -104,15 +104,22 @@ def checkpoint_dir(store: Store, ref: Any, out: str | os.PathLike[str]) -> Path:
     version was not saved by the callback, InvalidArgumentError when that checkpoint directory exists and is
     not empty (nothing is overwritten, as `export` does)."""
     state = store.load(ref)
+    shown = getattr(ref, "short", None) or repr(ref)  # a Version's short id, not its whole record
     if not isinstance(state, dict) or "trainer_state" not in state or "model" not in state:
-        raise NotFoundError(f"version {ref!r} was not saved by DataStatesCallback (no model/trainer_state)")
-    trainer_state = state["trainer_state"]
-    path = Path(out) / f"checkpoint-{trainer_state.get('global_step', 0)}"
-    if path.is_dir() and any(path.iterdir()):
+        raise NotFoundError(f"version {shown} was not saved by DataStatesCallback (no model/trainer_state)")
+    trainer_state, model = state["trainer_state"], state["model"]
+    step = trainer_state.get("global_step", 0) if isinstance(trainer_state, dict) else None
+    # The step names the directory: a str there ('/../x') would put it outside `out`.
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0 or not isinstance(model, dict) \
+            or not all(isinstance(t, torch.Tensor) for t in model.values()):
+        raise NotFoundError(f"version {shown} was not saved by DataStatesCallback (its trainer_state has no whole "
+                            "global_step, or its model is not a flat dict of tensors)")
+    path = Path(out) / f"checkpoint-{step}"
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
         raise InvalidArgumentError(f"{path} exists and is not empty (a Trainer's own checkpoint?); nothing was "
                                    "overwritten: give another out= directory, or remove that one first")
     path.mkdir(parents=True, exist_ok=True)
-    torch.save({k: v.contiguous() for k, v in state["model"].items()}, path / "pytorch_model.bin")
+    torch.save({k: v.contiguous() for k, v in model.items()}, path / "pytorch_model.bin")
     if "optimizer" in state:
         torch.save(state["optimizer"], path / "optimizer.pt")
     if "scheduler" in state:
