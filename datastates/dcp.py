@@ -55,7 +55,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .errors import IntegrityError, InvalidArgumentError, NotFoundError, UnsupportedValueError
+from .errors import DataStatesError, IntegrityError, InvalidArgumentError, NotFoundError, UnsupportedValueError
 from .save.tree import dtype_from_name, dtype_name
 from .store import Store
 
@@ -266,6 +266,31 @@ class StoreReader(StorageReader):
         return fut
 
 
+def saved_state(store: Store, ref: Any, *, allow_pickle: bool = False) -> dict[str, Any] | None:
+    """The state `dcp.save` saved as version `ref` (DCP's items put back together, at any world size), or None for a
+    version not saved through DCP (whose `Store.load` is its state; a DCP version's gives DCP's items `t0`, `t1`...).
+    Raises what `StoreReader` does (UnsupportedValueError for a pickle weights_only refuses, without
+    `allow_pickle`), unwrapped from DCP's CheckpointException."""
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    reader = StoreReader(store, ref, allow_pickle=allow_pickle)
+    try:
+        reader.read_metadata()
+    except NotFoundError:
+        return None
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    except CheckpointException as exc:  # a BaseException around our own error
+        inner = next(iter(exc.failures.values()), (None,))[0]
+        if isinstance(inner, DataStatesError):
+            raise inner from None
+        raise
+    return state
+
+
 def _done(results: list[WriteResult]) -> Future[list[WriteResult]]:
     fut: Future[list[WriteResult]] = Future()
     fut.set_result(results)
@@ -311,4 +336,5 @@ def decode_metadata(text: str) -> Metadata:
                     storage_meta=None if sm is None else StorageMeta(**sm), version=d["version"])
 
 
-__all__ = ["DCP_KEY", "METADATA_PART", "StoreReader", "StoreWriter", "decode_metadata", "encode_metadata"]
+__all__ = ["DCP_KEY", "METADATA_PART", "StoreReader", "StoreWriter", "decode_metadata", "encode_metadata",
+           "saved_state"]

@@ -367,3 +367,27 @@ def test_allow_pickle_keeps_a_value_the_store_pickles(tmp_path: Path) -> None:
             ds.import_checkpoints(store, tmp_path / "step-1.pt")
         rep = ds.import_checkpoints(store, tmp_path / "step-1.pt", allow_pickle=True)
         assert store.load(rep.versions[0], allow_pickle=True)["seen"] == {1, 2}
+
+
+def test_a_version_saved_through_dcp_exports_its_state(tmp_path: Path) -> None:
+    """A version saved by dcp.save (StoreWriter) holds DCP's items: export wrote those (t0, a float tensor; t1, the
+    bytes of a pickled step) under their item names, not the state that was saved (a hunt). It now writes the state
+    DCP puts back together, as StoreReader gives it; a pickle weights_only refuses still needs --allow-pickle."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": _model_state(4), "step": 4}
+    with ds.Store.open(tmp_path / "s") as store:
+        dcp.save(state, storage_writer=ds.dcp.StoreWriter(store, branch="d", step=4))
+        for fmt in ("torch", "dcp"):
+            out = ds.export(store, "d", fmt, tmp_path / f"d-{fmt}")
+            back = ds.import_checkpoints(store, out, branch=f"back-{fmt}", allow_pickle=fmt == "dcp")
+            assert _same(store.load(back.versions[0]), state)
+        out = ds.export(store, "d", "safetensors", tmp_path / "d.safetensors")
+        from safetensors.torch import load_file
+
+        assert _same(load_file(str(out)), {f"model.{k}": t for k, t in _model_state(4).items()})
+        dcp.save({"model": _model_state(5), "evil": _Evil(str(tmp_path / "pwned"))},
+                 storage_writer=ds.dcp.StoreWriter(store, branch="e"))
+        with pytest.raises(ds.UnsupportedValueError, match="'evil' .* add --allow-pickle"):
+            ds.export(store, "e", "torch", tmp_path / "e.pt")
+        assert not (tmp_path / "e.pt").exists() and not (tmp_path / "pwned").exists()

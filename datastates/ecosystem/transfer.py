@@ -123,6 +123,14 @@ def export(store: Store, ref: Any, fmt: str, out: str | os.PathLike[str], *, all
     if fmt not in FORMATS:
         raise InvalidArgumentError(f"format {fmt!r} is not one of {', '.join(FORMATS)}")
     v = store.version(ref)
+    from ..dcp import saved_state  # (imports torch.distributed.checkpoint: only when exporting)
+
+    try:
+        dcp_state = saved_state(store, v, allow_pickle=allow_pickle)
+    except UnsupportedValueError as exc:
+        raise UnsupportedValueError(f"{exc}; to export it, add --allow-pickle (Python: allow_pickle=True)") from None
+    if dcp_state is not None:  # saved by dcp.save: its state, not DCP's items t0, t1... (whatever the world size)
+        return write(dcp_state, fmt, out, version=v.id)
     if rank is None and v.world_size > 1 and store.comm.size == v.world_size:
         rank = store.comm.rank  # inside a job of that size: each rank exports its own, as its load gives
     if rank is None and v.world_size > 1:
