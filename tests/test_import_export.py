@@ -391,3 +391,20 @@ def test_a_version_saved_through_dcp_exports_its_state(tmp_path: Path) -> None:
         with pytest.raises(ds.UnsupportedValueError, match="'evil' .* add --allow-pickle"):
             ds.export(store, "e", "torch", tmp_path / "e.pt")
         assert not (tmp_path / "e.pt").exists() and not (tmp_path / "pwned").exists()
+
+
+def test_a_directory_of_safetensors_files_holding_one_tensor_twice_is_refused(tmp_path: Path) -> None:
+    """A directory of safetensors files without an index was merged file by file: a tensor in two of them
+    (model.safetensors beside model.fp16.safetensors) was silently taken from the last in name order (a hunt)."""
+    from safetensors.torch import save_file
+
+    d = tmp_path / "m"
+    d.mkdir()
+    save_file(_model_state(1), str(d / "model.safetensors"))
+    save_file({k: t.half() for k, t in _model_state(1).items()}, str(d / "model.fp16.safetensors"))
+    with ds.Store.open(tmp_path / "s") as store:
+        with pytest.raises(ds.InvalidArgumentError, match="in two files, model.fp16.safetensors and model.safetensors"):
+            ds.import_checkpoints(store, d)
+        assert store.branches() == {}
+        rep = ds.import_checkpoints(store, d / "model.safetensors")
+        assert _same(store.load(rep.versions[0]), _model_state(1))

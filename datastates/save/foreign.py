@@ -99,8 +99,14 @@ def _safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     else:
         files = [p.name for p in sorted(path.glob("*.safetensors"))]
     out: dict[str, torch.Tensor] = {}
+    came_from: dict[str, str] = {}
     for name in files:
-        out.update(_load_safetensors(path / name))
+        for key, t in _load_safetensors(path / name).items():
+            if key in out:  # two files of one tensor (model.safetensors beside model.fp16.safetensors): which one?
+                raise InvalidArgumentError(
+                    f"{path} holds the tensor {key!r} in two files, {came_from[key]} and {name}; import the one you "
+                    "mean by its file path, or give the shards' index json (*.safetensors.index.json)")
+            out[key], came_from[key] = t, name
     return out
 
 
