@@ -352,3 +352,21 @@ def test_another_host_does_not_index_a_copy_repair_listed_on_cold(tmp_path: Path
     assert_same(b.load(again), {"b": b_values})
     a.close()
     b.close()
+
+
+def test_repair_lists_a_bad_copy_on_reachable_tiers_only(tmp_path: Path) -> None:
+    """The list of bad copies goes where prune's markers go: never onto an unmounted cold mount point (an empty
+    directory), where it would hide under the tier once mounted again (a review)."""
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot", chunk_size=64 * KIB)
+    v = s.save({"b": torch.randn(64 * KIB, generator=torch.Generator().manual_seed(2))}, branch="main")
+    assert s.flush(timeout=30)
+    w = chunk_of(s, v, "b", 1)
+    flip(w.pack_path, w.loc.offset + 5)
+    s.close()
+    (tmp_path / "cold").rename(tmp_path / "cold-away")
+    (tmp_path / "cold").mkdir()  # the mount point, with nothing mounted
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    assert any("dropped the index entry" in r for r in s.fsck(repair=True).repaired)
+    s.close()
+    assert list((tmp_path / "cold").iterdir()) == []
+    assert (tmp_path / "hot" / "quarantine" / "bad-chunks.jsonl").is_file()

@@ -302,6 +302,29 @@ def test_an_export_that_fails_leaves_nothing(tmp_path: Path, monkeypatch: pytest
                      _model_state(1) if fmt != "safetensors" else {f"model.{k}": t for k, t in _model_state(1).items()})
 
 
+@pytest.mark.parametrize("fmt", ["torch", "safetensors", "dcp"])
+def test_an_export_is_not_stopped_by_a_temp_left_beside_it_and_takes_the_current_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str) -> None:
+    """The temp name was fixed (the pid): one a killed export left (a container's pid 1) made the next export
+    say the target existed, and the cleanup removed a temp it had not made; `export main . --format dcp` raised
+    ValueError from Path('.').with_name (a review). The temp name is this call's own."""
+    with ds.Store.open(tmp_path / "s") as store:
+        v = store.save({"model": _model_state(1), "step": 1})
+        out = tmp_path / "exports" / ("out" if fmt == "dcp" else f"out.{fmt}")
+        out.parent.mkdir()
+        stale = out.parent / f".{out.name}.{os.getpid()}.tmp"
+        stale.write_bytes(b"left by a killed export")
+        assert ds.export(store, v, fmt, out) == out
+        assert stale.read_bytes() == b"left by a killed export"
+        assert sorted(p.name for p in out.parent.iterdir()) == sorted([out.name, stale.name])
+        if fmt == "dcp":
+            here = tmp_path / "here"
+            here.mkdir()
+            monkeypatch.chdir(here)
+            assert ds.export(store, v, "dcp", ".") == here
+            assert (here / ".metadata").is_file() and not [p for p in here.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_a_damaged_dcp_directory_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """DCP raises a CheckpointException, a BaseException, for a damaged directory: it passed every handler and
     reached the command line as a traceback (a hunt)."""
@@ -335,6 +358,18 @@ def test_a_bad_trainer_state_json_is_named(tmp_path: Path, text: str) -> None:
         with pytest.raises(ds.InvalidArgumentError, match="trainer_state.json"):
             ds.import_checkpoints(store, d)
         assert store.branches() == {}
+
+
+def test_a_logged_number_past_any_float_is_no_metric(tmp_path: Path) -> None:
+    """An int in log_history too large for a float raised OverflowError from deep inside the import (a review):
+    it is no value to record, like NaN, and the checkpoint imports with the other metrics."""
+    d = tmp_path / "checkpoint-1"
+    d.mkdir()
+    torch.save(_model_state(1), d / "pytorch_model.bin")
+    (d / "trainer_state.json").write_text('{"global_step": 1, "log_history": [{"loss": 1%s, "lr": 0.5}]}' % ("0" * 400))
+    with ds.Store.open(tmp_path / "s") as store:
+        (v,) = ds.import_checkpoints(store, d).versions
+        assert v.metrics == {"lr": 0.5}
 
 
 def test_an_import_a_save_would_refuse_imports_nothing(tmp_path: Path) -> None:

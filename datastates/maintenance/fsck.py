@@ -42,7 +42,7 @@ from ..objects.chunks import CODEC_ZSTD, ChunkLocation, chunk_id
 from ..objects.packs import list_packs, read_index
 from ..repo.repository import Repository, as_repository
 from ..save.manifest import Manifest
-from .retention import PRUNED_EXT, write_marker
+from .retention import PRUNED_EXT, reachable_tiers, write_marker
 
 if TYPE_CHECKING:
     from ..objects.tier import Tier
@@ -556,8 +556,14 @@ def _unlocate_corrupt(store: Repository, rep: FsckReport, repair: bool) -> set[t
     if lost and repair:
         # Listed before the entries go (a kill between leaves a list the next repair repeats, never an entry
         # dropped unlisted): a catalog rebuilt from the pack files would otherwise index the bad copies again.
-        for tier in store.tiers:
-            tier.note_bad_copies(lost_at, "corrupt on every tier; fsck --repair dropped its index entry")
+        for tier in reachable_tiers(store):  # (never onto an unmounted cold mount point)
+            try:
+                tier.note_bad_copies(lost_at, "corrupt on every tier; fsck --repair dropped its index entry")
+            except OSError as exc:
+                if tier is store.tier:
+                    raise  # the catalog tier's list is the one a rebuild here reads: no drop without it
+                log.warning("fsck: could not list the corrupt copies on tier %s (%s); another host's refresh may "
+                            "index them", tier.name, exc)
         store.catalog.drop_chunks(lost)
         rep.repaired.extend(f"dropped the index entry of chunk {cid.hex()[:16]}, corrupt on every tier: the next "
                             "save of its bytes stores it again, and the versions that need it load from then on"

@@ -371,14 +371,15 @@ def _pruned_now(store: Repository) -> tuple[set[str], set[str]]:
     """
     in_catalog = store.catalog.pruned_ids()
     marked: set[str] = set()
-    for t in _reachable_tiers(store):
+    for t in reachable_tiers(store):
         marked.update(t.iter_ids("versions", PRUNED_EXT))
     marked = {vid for vid in marked - in_catalog if store.catalog.record(vid) is not None}
     return in_catalog, marked
 
 
-def _reachable_tiers(store: Repository) -> list[Tier]:
-    # As the flusher does: never write into (or trust the emptiness of) an unmounted cold tier.
+def reachable_tiers(store: Repository) -> list[Tier]:
+    """The catalog's tier and every other tier whose FORMAT file is there: as the flusher does, never write into
+    (or trust the emptiness of) an unmounted cold tier."""
     out = [store.tier]
     for t in store.tiers:
         if t is not store.tier:
@@ -436,7 +437,7 @@ def _plan(store: Repository, retention: Policy, dry_run: bool) -> tuple[PrunePla
     candidates = [v for v in versions if v.id not in already]
     ids = {v.id for v in candidates}
     refs: set[str] = set()
-    for t in _reachable_tiers(store):  # a shared cold tier may carry other hosts' branches and tags
+    for t in reachable_tiers(store):  # a shared cold tier may carry other hosts' branches and tags
         refs.update(store.refs_on(t).names("branch").values())
         refs.update(store.refs_on(t).names("tag").values())
     protected = (refs | protected_ids(store) | _leased(store)) & ids
@@ -491,7 +492,7 @@ def prune(store: Repository, retention: Policy, dry_run: bool = False) -> PruneP
     tier = store.tier
     with tier.exclusive(), store.refs.locked():
         result, marked_only = _plan(store, retention, dry_run=False)
-        tiers = _reachable_tiers(store)
+        tiers = reachable_tiers(store)
         away = [t for t in store.tiers if all(t is not r for r in tiers)]
         if away and (result.prune or marked_only):
             # Said, not silent: until the markers are there, a node that opens that tier (a fresh hot directory
@@ -551,7 +552,7 @@ def is_pruned(store: Repository, vid: str) -> bool:
     """True if version `vid` is marked pruned in the catalog or in the files of a reachable tier."""
     store = as_repository(store)
     return bool(store.catalog.extra(vid).get("pruned")) or any(
-        marker_path(t, vid).exists() for t in _reachable_tiers(store))
+        marker_path(t, vid).exists() for t in reachable_tiers(store))
 
 
 __all__ = [

@@ -116,8 +116,13 @@ def latest_numbers(log_history: list[dict[str, Any]]) -> dict[str, float]:
     for entry in log_history:
         for k, v in entry.items():
             number = isinstance(v, int | float) and not isinstance(v, bool)
-            if k not in ("step", "epoch") and number and math.isfinite(v):
-                out[k] = float(v)
+            if k not in ("step", "epoch") and number:
+                try:
+                    value = float(v)
+                except OverflowError:  # an int past any float: no value to record, like NaN
+                    continue
+                if math.isfinite(value):
+                    out[k] = value
     return out
 
 
@@ -330,33 +335,44 @@ def write(state: Any, fmt: str, out: str | os.PathLike[str], *, version: str) ->
                                         "with --format torch (Python: fmt='torch'), which holds the whole state")
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, which DCP wraps errors in
 
+    target = target.absolute()  # ('.' has no name to put a temp beside)
+    into = target if fmt == "dcp" and target.is_dir() else None  # an empty directory: the temp goes inside it
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # A name of this call's own (mkstemp/mkdtemp): a fixed one met a temp a killed export left (refused as if the
+    # target existed) and another export's temp, which the cleanup below then removed (a review).
+    made: Path | None = None
     try:
-        if fmt == "safetensors":
-            from safetensors.torch import save_file
-
-            tmp.touch(exist_ok=False)  # a directory we may not write fails here, as an OSError
-            save_file(flat, str(tmp), metadata={"datastates.version": version})
-        elif fmt == "torch":
-            with open(tmp, "xb") as f:
-                torch.save(state, f)
-        else:
+        if fmt == "dcp":
             import torch.distributed.checkpoint as dcp
 
-            tmp.mkdir()
-            dcp.save(state, checkpoint_id=str(tmp))
-        if fmt == "dcp":
-            os.rename(tmp, target)  # onto a missing or empty directory only
+            made = Path(tempfile.mkdtemp(prefix=".export-", suffix=".tmp", dir=into or target.parent))
+            dcp.save(state, checkpoint_id=str(made))
         else:
-            os.link(tmp, target)  # never over a file made meanwhile
-            tmp.unlink()
+            fd, name = tempfile.mkstemp(prefix=".export-", suffix=".tmp", dir=target.parent)
+            made = Path(name)
+            with os.fdopen(fd, "wb") as f:
+                if fmt == "torch":
+                    torch.save(state, f)
+            if fmt == "safetensors":
+                from safetensors.torch import save_file
+
+                save_file(flat, str(made), metadata={"datastates.version": version})
+        if into is not None:  # the checkpoint's files into the empty directory given, then the temp goes
+            for p in made.iterdir():
+                os.rename(p, into / p.name)
+            made.rmdir()
+        elif fmt == "dcp":
+            os.rename(made, target)  # onto a missing directory only (a non-empty one made meanwhile: ENOTEMPTY)
+        else:
+            os.link(made, target)  # never over a file made meanwhile
+            made.unlink()
     except (Exception, CheckpointException) as exc:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
-        if isinstance(exc, FileExistsError) or isinstance(exc, OSError) and exc.errno == errno.ENOTEMPTY:
+        if made is not None and made.is_dir():
+            shutil.rmtree(made, ignore_errors=True)
+        elif made is not None:
+            made.unlink(missing_ok=True)
+        if isinstance(exc, FileExistsError) or isinstance(exc, OSError) and exc.errno in (errno.ENOTEMPTY,
+                                                                                          errno.EEXIST):
             raise InvalidArgumentError(f"{target} exists; give a new path (nothing is overwritten)") from None
         raise _write_failed(target, exc) from exc
     return target
