@@ -288,7 +288,29 @@ def saved_state(store: Store, ref: Any, *, allow_pickle: bool = False) -> dict[s
         if isinstance(inner, DataStatesError):
             raise inner from None
         raise
-    return state
+    return _optimizer_keys(state)
+
+
+def _optimizer_keys(node: Any) -> Any:
+    """`node` with every optimizer state_dict in it made whole again: DCP keeps str key paths only, so an
+    optimizer's `state`, keyed by parameter index, came back keyed by '0', '1'... (`load_state_dict` then
+    attached Adam's moments to no parameter, silently) or, empty, not at all (a review). A dict holding
+    `param_groups` (a list of dicts whose `params` are ints) is one: its `state` keys that are those ints
+    written as str become the ints, and a missing `state` is empty. Nothing else is touched."""
+    if isinstance(node, list):
+        return [_optimizer_keys(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _optimizer_keys(v) for k, v in node.items()}
+    groups = out.get("param_groups")
+    if isinstance(groups, list) and groups and all(
+            isinstance(g, dict) and isinstance(g.get("params"), list)
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in g["params"]) for g in groups):
+        ids = {str(i): i for g in groups for i in g["params"]}
+        state = out.setdefault("state", {})
+        if isinstance(state, dict) and state and all(isinstance(k, str) and k in ids for k in state):
+            out["state"] = {ids[k]: v for k, v in state.items()}
+    return out
 
 
 def _done(results: list[WriteResult]) -> Future[list[WriteResult]]:

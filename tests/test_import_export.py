@@ -428,6 +428,29 @@ def test_a_version_saved_through_dcp_exports_its_state(tmp_path: Path) -> None:
         assert not (tmp_path / "e.pt").exists() and not (tmp_path / "pwned").exists()
 
 
+def test_a_dcp_saved_optimizer_exports_with_its_int_keys(tmp_path: Path) -> None:
+    """DCP keeps str key paths: an optimizer's state, keyed by parameter index, was exported keyed by '0', '1',
+    and load_state_dict attached Adam's moments to no parameter, silently (a review); a fresh optimizer's empty
+    state was gone. Both are put back from param_groups."""
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    with ds.Store.open(tmp_path / "s") as store:
+        dcp.save({"optim": opt.state_dict(), "fresh": fresh.state_dict(), "other": {"0": torch.ones(1)}},
+                 storage_writer=ds.dcp.StoreWriter(store, branch="d"))
+        back = torch.load(ds.export(store, "d", "torch", tmp_path / "d.pt"), weights_only=True)
+    assert list(back["optim"]["state"]) == [0, 1] and back["fresh"]["state"] == {}
+    assert list(back["other"]) == ["0"]  # not an optimizer's: as DCP gives it
+    again = torch.optim.Adam(model.parameters())
+    again.load_state_dict(back["optim"])
+    assert all(torch.equal(again.state[p]["exp_avg"], opt.state[p]["exp_avg"]) for p in model.parameters())
+    torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9).load_state_dict(back["fresh"])
+
+
 def test_a_directory_of_safetensors_files_holding_one_tensor_twice_is_refused(tmp_path: Path) -> None:
     """A directory of safetensors files without an index was merged file by file: a tensor in two of them
     (model.safetensors beside model.fp16.safetensors) was silently taken from the last in name order (a hunt)."""
