@@ -239,3 +239,29 @@ def test_the_profiling_target_saves_new_tensor_objects_every_time_with_form_stat
     assert f"new objects every save) {path}: median " in line
     assert len(line.split("wall samples ")[1].split()) == 3
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_run_stopped_by_sigterm_removes_its_files(tmp_path: Path) -> None:
+    """`timeout`, `kill` or a scheduler's time limit sends SIGTERM: the run must remove its directory as Ctrl-C
+    does (killed by the default action it left `.datastates-bench-*` behind, several states' worth of bytes)."""
+    import signal
+    import time
+
+    work = tmp_path / "work"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    p = subprocess.Popen([sys.executable, "-m", "datastates", "bench", "--size", "8MiB", "--tensors", "4",
+                          "--repeats", "1000", "--skip", "torch,safetensors,dcp,train", "--dir", str(work)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(work.glob(".datastates-bench-*/ds/packs/*")):  # the run is saving into its directory
+            assert p.poll() is None and time.monotonic() < deadline, p.stderr.read() if p.stderr else ""
+            time.sleep(0.05)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert "stopped by SIGTERM" in err
+    assert list(work.iterdir()) == []

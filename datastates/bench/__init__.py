@@ -30,8 +30,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from .options import SKIPPABLE, TARGETS, Config, add_parser, command_line, config_from_args, parse_size
 from .peers import make_state
@@ -49,11 +55,11 @@ def main(args: argparse.Namespace) -> int:
         return 2
     # With the JSON on stdout, the table goes to stderr so stdout stays parseable.
     table = sys.stderr if args.json_out == "-" else sys.stdout
+    with _stopped_cleanly():
+        rep = run_rss(cfg) if cfg.rss else run(cfg)
     if cfg.rss:
-        rep = run_rss(cfg)
         print_rss_report(rep, table)
     else:
-        rep = run(cfg)
         print_report(rep, table)
     if args.json_out:
         text = json.dumps(rep, indent=2)
@@ -62,6 +68,33 @@ def main(args: argparse.Namespace) -> int:
         else:
             Path(args.json_out).write_text(text + "\n")
     return 0
+
+
+@contextmanager
+def _stopped_cleanly() -> Iterator[None]:
+    """SIGTERM and SIGHUP (`timeout`, `kill`, a batch scheduler's time limit, a closed terminal) end the run as
+    Ctrl-C does, by an exception in the main thread, so the run's `finally` removes its files: killed by the default
+    action, a run left its directory behind, hidden (`.datastates-bench-*`) and holding several states' worth of
+    bytes. A signal someone set to be ignored (`nohup`) stays ignored. Exits with 128 + the signal's number."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works in the main thread only
+        yield
+        return
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        print(f"datastates bench: stopped by {signal.Signals(signum).name}; removing the run's files",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum)
+
+    before: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
+    for name in ("SIGTERM", "SIGHUP"):
+        sig = getattr(signal, name, None)
+        if sig is not None and signal.getsignal(sig) == signal.SIG_DFL:
+            before[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 __all__ = ["SKIPPABLE", "TARGETS", "Config", "add_parser", "command_line", "config_from_args", "main", "make_state",
