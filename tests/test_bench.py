@@ -265,3 +265,34 @@ def test_a_run_stopped_by_sigterm_removes_its_files(tmp_path: Path) -> None:
     assert p.returncode == 128 + signal.SIGTERM, err
     assert "stopped by SIGTERM" in err
     assert list(work.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["--size", "1e400"], "size '1e400' is too large"),
+    (["--chunk-size", "1e400"], "size '1e400' is too large"),
+    (["--shape", "cnn", "--scale", "inf"], "--scale inf must be a positive number"),
+    (["--window", "nan"], "--window nan must be a positive number of seconds"),
+    (["--window", "-5"], "--window -5.0 must be a positive number of seconds"),
+    (["--window", "0"], "--window 0.0 must be a positive number of seconds"),
+    (["--dir", "{tmp}/afile"], "afile is not a directory"),
+    (["--dir", "{tmp}/afile/sub"], "afile is not a directory"),
+    (["--json-out", "{tmp}"], "is a directory; name a file"),
+    (["--json-out", "{tmp}/nowhere/bench.json"], "nowhere is not a directory; make it first"),
+])
+def test_odd_option_values_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            argv: list[str], says: str) -> None:
+    """Each was a traceback (OverflowError), an error after the whole run (--json-out: its results lost), an odd
+    OSError (--dir naming a file: "File exists"), or taken as is (--window)."""
+    (tmp_path / "afile").write_text("mine")
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    extra = [] if "--dir" in argv else ["--dir", str(tmp_path / "work")]
+    if "--size" not in argv and "--shape" not in argv:
+        extra += ["--size", "1MiB", "--tensors", "2"]  # a tiny run, should one start
+    try:
+        rc = main(["bench", "--repeats", "1", "--skip", "torch,safetensors,dcp,train", *extra, *argv])
+    except SystemExit as exc:  # argparse's own usage errors (--size, --chunk-size)
+        rc = exc.code
+    assert rc == 2
+    assert says in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing made, nothing removed
+    assert (tmp_path / "afile").read_text() == "mine"

@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .shapes import SHAPES
@@ -52,7 +55,10 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"size {text!r} is not understood; write e.g. 1GiB, 256MiB, 64M or a byte count")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not math.isfinite(value):  # '1e400': int() of it raised OverflowError, a traceback at the CLI
+        raise ValueError(f"size {text!r} is too large; write e.g. 1GiB, 256MiB, 64M or a byte count")
+    n = int(value)
     if n <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return n
@@ -287,8 +293,35 @@ def _device(text: str | None, skip: frozenset[str], rss: bool) -> str:
     return str(dev)
 
 
+def _check_dir(text: str | None) -> None:
+    """Raise ValueError unless `--dir` names a directory or a path one can be made at (before anything runs)."""
+    if text is None:
+        return
+    path = Path(text).expanduser()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"--dir {text}: {existing} is not a directory; name a directory (made if missing)")
+
+
+def _check_json_out(text: str | None) -> None:
+    """Raise ValueError unless `--json-out` can be written: checked before the run, not after it (a run lasts
+    minutes, and its results were lost to the error)."""
+    if not text or text == "-":
+        return
+    path = Path(text)
+    if path.is_dir():
+        raise ValueError(f"--json-out {text} is a directory; name a file, e.g. {path / 'bench.json'}")
+    if not path.parent.is_dir():
+        raise ValueError(f"--json-out {text}: {path.parent} is not a directory; make it first")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise ValueError(f"--json-out {text} cannot be written; name a file you may write")
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
-    """A Config from parsed CLI arguments; raises ValueError naming a bad option."""
+    """A Config from parsed CLI arguments; raises ValueError naming a bad option (a `--dir` that is not a directory
+    and a `--json-out` that cannot be written included)."""
     skip = frozenset(s.strip() for s in (args.skip or "").split(",") if s.strip())
     bad = skip - set(SKIPPABLE)
     if bad:
@@ -299,8 +332,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ValueError("--tensors must be at least 1")
     shape = getattr(args, "shape", None)
     scale = getattr(args, "scale", None)
-    if scale is not None and not scale > 0:
-        raise ValueError(f"--scale {scale} must be positive")
+    if scale is not None and not (scale > 0 and math.isfinite(scale)):
+        raise ValueError(f"--scale {scale} must be a positive number")
+    window = getattr(args, "window", None)
+    if window is not None and not (window > 0 and math.isfinite(window)):
+        # 0 fell back to the default, a negative one was taken as is, nan made every window run to its 120 s cap
+        raise ValueError(f"--window {window} must be a positive number of seconds")
+    _check_dir(args.bench_dir)
+    _check_json_out(getattr(args, "json_out", None))
     if scale is not None and shape is None:
         raise ValueError("--scale needs --shape (use --size for the default state)")
     if shape is not None and args.size is not None:
