@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..meta.versions import Version
     from ..store import Store
 
-from .options import Config, Results
+from .options import SKIPPABLE, Config, Results
 from .peers import (
     CpuMeter,
     Dcp,
@@ -56,6 +56,24 @@ def changed_keys(keys: list[str], n: int, r: int, spread: bool) -> list[str]:
     return [keys[(int(i * step) + r) % len(keys)] for i in range(n)]
 
 
+def states_held(cfg: Config) -> float:
+    """About how many states' worth of bytes the run's directory holds at its fullest (for the disk-space check).
+
+    Every store keeps every version until the end. The main store: its warm-up save, per repeat a full save, a
+    full save_async and a partial save, a save_async per training repeat, and (without `--shape`) the 100-tensor
+    state. With `--shape`, two stores more: `reuse_unchanged`'s (its warm-up, per repeat a full and a partial save)
+    and the one given new tensor objects (its warm-ups, of the same bytes, and a save per repeat). The peers keep
+    one state at a time. The count was `3 * repeats + 5` for every run, short of what a `--shape` run holds
+    (15.4 states for `--shape cnn --repeats 3 --skip dcp,torch,safetensors,train`, against 14 reserved); 2 more
+    cover the stores' own files and a shape's bytes above `approx_bytes`.
+    """
+    r, partial = cfg.repeats, 1.0 - cfg.unchanged
+    main = 1 + r * (2 + partial) + (r if "train" not in cfg.skip else 0) + (0 if cfg.shape else 1)
+    shape = (1 + r * (1 + partial)) + (1 + r) if cfg.shape else 0
+    peers = 1 if set(SKIPPABLE) - cfg.skip else 0
+    return main + shape + peers + 2
+
+
 def _log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -65,8 +83,7 @@ def run(cfg: Config) -> dict[str, Any]:
 
     Raises SystemExit (with a message) when the directory lacks the disk space the run needs.
     """
-    # The datastates store keeps every version until the end: ~2.1 states per repeat plus the first ones.
-    parent, fs, root = fresh_dir(cfg, 3 * cfg.repeats + 5, ".datastates-bench-", _log)
+    parent, fs, root = fresh_dir(cfg, states_held(cfg), ".datastates-bench-", _log)
     res = Results()
     t_start = time.time()
     try:
