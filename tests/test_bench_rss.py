@@ -77,3 +77,14 @@ def test_rss_method_order_rotates() -> None:
     pairs = [(o[i], o[i + 1]) for o in orders for i in range(len(SAVES), len(o) - 1)]
     assert len(pairs) == len(set(pairs)) == 12
     assert method_order(12) == orders[0]  # saves repeat every 3, loads every 4
+
+
+@pytest.mark.parametrize("option", [["--skip", "torch"], ["--unchanged", "0.5"], ["--spread"], ["--reuse-unchanged"],
+                                    ["--window", "2"]])
+def test_rss_refuses_the_options_it_does_not_use(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 option: list[str]) -> None:
+    """They were ignored, yet written into the report's command line (`--skip torch` still measured torch)."""
+    assert main(["bench", "--rss", "--size", "1MiB", "--tensors", "2", "--repeats", "1", "--dir", str(tmp_path),
+                 *option]) == 2
+    assert f"leave out {option[0]}" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

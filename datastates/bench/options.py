@@ -87,7 +87,7 @@ def add_parser(sub: Any) -> None:
                    help="with --shape: multiply the state's bytes, keeping its tensor count and dtypes "
                         "(default 1; 1/16 with --quick)")
     p.add_argument("--repeats", type=int, default=None, help="timed repeats per method (default 5)")
-    p.add_argument("--unchanged", type=float, default=0.9,
+    p.add_argument("--unchanged", type=float, default=None,
                    help="fraction of tensors left unchanged for the partial save (default 0.9)")
     p.add_argument("--spread", action="store_true",
                    help="change the partial save's tensors spread evenly over the state (adapters between frozen "
@@ -326,8 +326,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
     bad = skip - set(SKIPPABLE)
     if bad:
         raise ValueError(f"--skip {','.join(sorted(bad))}: unknown; choose from {','.join(SKIPPABLE)}")
-    if not 0.0 <= args.unchanged <= 1.0:
-        raise ValueError(f"--unchanged {args.unchanged} must be between 0 and 1")
+    unchanged = args.unchanged if args.unchanged is not None else 0.9
+    if not 0.0 <= unchanged <= 1.0:
+        raise ValueError(f"--unchanged {unchanged} must be between 0 and 1")
     if args.tensors is not None and args.tensors < 1:
         raise ValueError("--tensors must be at least 1")
     shape = getattr(args, "shape", None)
@@ -350,6 +351,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ValueError(f"--chunk-size {args.chunk_size} must be a multiple of 64 bytes")
     quick = bool(args.quick)
     rss = bool(getattr(args, "rss", False))
+    if rss:
+        # Each was ignored, yet written into the report's command line as if it had applied (--skip torch still
+        # measured torch.save and torch.load).
+        given = [name for name, value in (("--skip", bool(skip)), ("--unchanged", args.unchanged is not None),
+                                          ("--spread", getattr(args, "spread", False)),
+                                          ("--reuse-unchanged", args.reuse_unchanged),
+                                          ("--window", getattr(args, "window", None) is not None)) if value]
+        if given:
+            raise ValueError(f"--rss measures its fixed set of saves and loads (each in a fresh process), no partial "
+                             f"save and no training: leave out {' '.join(given)}")
     # --rss: each repeat is a fresh process per method; three give a median that one outlier cannot move.
     repeats = args.repeats if args.repeats is not None else (3 if rss else 2 if quick else 5)
     if repeats < 1:
@@ -360,7 +371,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(device=device, size=args.size or ((64 << 20) if quick else (1 << 30)),
                   tensors=args.tensors if args.tensors is not None else (0 if shape else 32), repeats=repeats,
                   shape=shape, scale=scale if scale is not None else 1.0, rss=rss,
-                  unchanged=args.unchanged, spread=bool(getattr(args, "spread", False)),
+                  unchanged=unchanged, spread=bool(getattr(args, "spread", False)),
                   bench_dir=args.bench_dir, quick=quick, skip=skip,
                   chunk_size=args.chunk_size, zstd=args.zstd, reuse_unchanged=args.reuse_unchanged,
                   window=args.window if args.window is not None else (1.0 if quick else None))
