@@ -325,3 +325,14 @@ def test_the_disk_space_check_covers_what_a_shape_run_holds(tmp_path: Path, monk
     assert main(["bench", "--shape", "cnn", "--scale", "0.02", "--repeats", "3", "--skip",
                  "dcp,torch,safetensors,train", "--dir", str(tmp_path)]) == 0
     assert 0 < seen["held"] <= seen["reserved"], seen
+
+
+def test_the_partial_save_row_says_the_share_of_tensors_it_changed(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--unchanged 0.9 of 4 tensors changes one (never none): 25 % of the tensors, which the row must say (it said
+    the 10 % asked for)."""
+    assert main(["bench", "--size", "1MiB", "--tensors", "4", "--repeats", "1", "--skip", "torch,safetensors,dcp,train",
+                 "--dir", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert "datastates save, 25% of tensors changed" in printed
+    assert "10% of tensors" not in printed
