@@ -279,6 +279,7 @@ def test_a_run_stopped_by_sigterm_removes_its_files(tmp_path: Path) -> None:
     (["--dir", "{tmp}/afile/sub"], "afile is not a directory"),
     (["--json-out", "{tmp}"], "is a directory; name a file"),
     (["--json-out", "{tmp}/nowhere/bench.json"], "nowhere is not a directory; make it first"),
+    (["--shape", "cnn", "--scale", "0.01", "--tensors", "5"], "--tensors applies to --shape small and uniform only"),
 ])
 def test_odd_option_values_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                                             argv: list[str], says: str) -> None:

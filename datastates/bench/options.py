@@ -343,6 +343,10 @@ def config_from_args(args: argparse.Namespace) -> Config:
     _check_json_out(getattr(args, "json_out", None))
     if scale is not None and shape is None:
         raise ValueError("--scale needs --shape (use --size for the default state)")
+    if shape in ("transformer", "cnn") and args.tensors is not None:
+        # Their tensor count is the model's: --tensors was ignored, the run saving the model's own count.
+        raise ValueError(f"--tensors applies to --shape small and uniform only; --shape {shape} has the tensors of "
+                         f"its model (use --scale to size it)")
     if shape is not None and args.size is not None:
         raise ValueError("--size and --shape exclude each other (use --scale to size a shape)")
     if args.zstd < 0 or args.zstd > 22:
