@@ -323,9 +323,17 @@ def test_the_disk_space_check_covers_what_a_shape_run_holds(tmp_path: Path, monk
 
     monkeypatch.setattr(runner, "fresh_dir", fresh)
     monkeypatch.setattr(runner._Bench, "run", run)
+    out = tmp_path / "bench.json"
     assert main(["bench", "--shape", "cnn", "--scale", "0.02", "--repeats", "3", "--skip",
-                 "dcp,torch,safetensors,train", "--dir", str(tmp_path)]) == 0
+                 "dcp,torch,safetensors,train", "--dir", str(tmp_path / "work"), "--json-out", str(out)]) == 0
     assert 0 < seen["held"] <= seen["reserved"], seen
+    # The JSON's sizes are the state's: `bytes` its nbytes, and no `size` (--size, unused by a shape; it read 1 GiB)
+    from datastates.bench.shapes import build
+
+    state = build("cnn", 0.02)
+    config = json.loads(out.read_text())["config"]
+    assert config["bytes"] == sum(t.nbytes for t in state.values()) and config["tensors"] == len(state) == 238
+    assert config["size"] is None
 
 
 def test_the_partial_save_row_says_the_share_of_tensors_it_changed(tmp_path: Path,

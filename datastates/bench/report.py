@@ -73,8 +73,10 @@ def _report(cfg: Config, res: Results, fs: str, parent: Path, t_start: float) ->
         "machine": {"cpus": os.cpu_count(), "mem_bytes": _mem_total(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__, "fs_type": fs,
                     "dir": str(parent), "device": _device_name(cfg.device)},
-        "config": {"size": cfg.size, "bytes": res.extra.get("bytes"), "tensors": res.extra.get("tensors"),
-                   "shape": cfg.shape, "scale": cfg.scale, "dtypes": res.extra.get("dtypes"),
+        # size: --size, which a --shape run does not use (its bytes are `bytes`; it read 1 GiB for every shape)
+        "config": {"size": None if cfg.shape else cfg.size, "bytes": res.extra.get("bytes"),
+                   "tensors": res.extra.get("tensors"), "shape": cfg.shape, "scale": cfg.scale,
+                   "dtypes": res.extra.get("dtypes"),
                    "repeats": cfg.repeats, "unchanged": cfg.unchanged, "spread": cfg.spread, "quick": cfg.quick,
                    "skip": sorted(cfg.skip), "chunk_size": cfg.chunk_size, "zstd": cfg.zstd,
                    "reuse_unchanged": cfg.reuse_unchanged},

@@ -315,7 +315,8 @@ def run_rss(cfg: Config) -> dict[str, Any]:
             "duration_s": time.time() - t_start, "restart": _restart_ratios(methods),
             "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                         "python": platform.python_version(), "fs_type": fs, "dir": str(parent)},
-            "config": {"size": cfg.size, "bytes": prep["state_bytes"], "tensors": prep["tensors"],
+            "config": {"size": None if cfg.shape else cfg.size, "bytes": prep["state_bytes"],
+                       "tensors": prep["tensors"],
                        "shape": cfg.shape, "scale": cfg.scale, "repeats": cfg.repeats, "quick": cfg.quick,
                        "chunk_size": cfg.chunk_size, "zstd": cfg.zstd},
             "rss": methods}
