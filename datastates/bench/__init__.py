@@ -16,7 +16,7 @@ What a run guarantees:
   loader starts alike however its files were written (`peers.cold_start`); each load ends with one read per
   page of the result, so lazy (mmap) loaders pay for their reads too;
 - each load's result is checked bit-exact against the saved state once (a fast wrong answer is no result);
-- every file lives in one fresh directory (under `--store`, default the current directory), removed
+- every file lives in one fresh directory (under `--dir`, default the current directory), removed
   at the end; other methods' files are deleted right after they are timed;
 - the CPU time other processes used during each timed step is measured and reported, since a busy
   machine makes the figures noisy;

@@ -109,8 +109,10 @@ def add_parser(sub: Any) -> None:
                    help="open the store with reuse_unchanged=True (skip tensors torch's version counter says are "
                         "untouched since the last save)")
     p.add_argument("--rss", action="store_true",
-                   help="measure peak RSS instead of time: datastates save, save_async and load, torch.save and "
-                        "torch.load, each in a fresh process, against issue 13's bounds (default 3 repeats)")
+                   help="measure peak RSS instead of time: datastates save, save_async, load and load(mmap=True), "
+                        "torch.save, torch.load and safetensors load_file, each in a fresh process, against issue "
+                        "13's bounds (default 3 repeats; --skip, --unchanged, --spread, --reuse-unchanged and "
+                        "--window do not apply)")
     p.add_argument("--device", default=None, metavar="DEVICE",
                    help="where the state lives: cpu (default) or cuda / cuda:N. Saves copy from it, loads go onto "
                         "it (torch.load with map_location, safetensors with device), the plain copy is into "

@@ -10,7 +10,7 @@ dtypes stay those of the full-size state: per-tensor costs are what these shapes
   0-d fp32 ``step`` per parameter): 588 tensors, ~1.1 GiB at scale 1.
 - ``cnn``: a ResNet-like stack of 26 conv3x3 + BatchNorm blocks in four stages (64..512 channels) and a
   linear head, SGD momentum buffers; the BatchNorm buffers include ``num_batches_tracked`` (0-d int64):
-  240 tensors, ~150 MiB at scale 1.
+  238 tensors, ~141 MiB at scale 1.
 - ``small``: 8,000 fp32 tensors of 64 KiB (``tensors`` overrides the count), ~500 MiB at scale 1.
 - ``uniform``: 32 fp32 tensors of 32 MiB (``tensors`` overrides the count), 1 GiB at scale 1.
 
