@@ -271,6 +271,7 @@ def test_a_run_stopped_by_sigterm_removes_its_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize("argv,says", [
     (["--size", "1e400"], "size '1e400' is too large"),
     (["--chunk-size", "1e400"], "size '1e400' is too large"),
+    (["--chunk-size", "1TiB"], "--chunk-size 1099511627776 must be a multiple of 64 bytes up to 1 GiB"),
     (["--shape", "cnn", "--scale", "inf"], "--scale inf must be a positive number"),
     (["--window", "nan"], "--window nan must be a positive number of seconds"),
     (["--window", "-5"], "--window -5.0 must be a positive number of seconds"),

@@ -588,3 +588,12 @@ def test_a_transaction_ended_by_the_collector_under_the_open_lock_does_not_deadl
     for closer in [x for x in threading.enumerate() if x.name == "datastates-catalog-close"]:
         closer.join(30)
     assert key not in catalog_module._OPEN  # let go once the lock was free
+
+
+@pytest.mark.parametrize("size", [0, 100, (1 << 30) + 64, 1 << 40, True, 64.0])
+def test_a_chunk_size_no_save_could_use_is_refused_at_open(tmp_path: Path, size: Any) -> None:
+    """A chunk size of 1 TiB was accepted and kept in FORMAT for good: every later save failed allocating its
+    staging slot with torch's RuntimeError, even for a 40-byte tensor (a hunt). Refused, and nothing is made."""
+    with pytest.raises(ds.InvalidArgumentError, match="chunk_size .* from 64 B to 1 GiB"):
+        ds.Store.open(tmp_path / "s", chunk_size=size)
+    assert not (tmp_path / "s").exists()

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..repo.opening import MAX_CHUNK_SIZE
 from .shapes import SHAPES
 
 SKIPPABLE = ("torch", "safetensors", "dcp", "train")
@@ -353,8 +354,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         raise ValueError("--size and --shape exclude each other (use --scale to size a shape)")
     if args.zstd < 0 or args.zstd > 22:
         raise ValueError(f"--zstd {args.zstd} must be 0 (off) or a zstd level 1..22")
-    if args.chunk_size is not None and args.chunk_size % 64:
-        raise ValueError(f"--chunk-size {args.chunk_size} must be a multiple of 64 bytes")
+    if args.chunk_size is not None and (args.chunk_size % 64 or args.chunk_size > MAX_CHUNK_SIZE):
+        raise ValueError(f"--chunk-size {args.chunk_size} must be a multiple of 64 bytes up to 1 GiB")
     quick = bool(args.quick)
     rss = bool(getattr(args, "rss", False))
     if rss:

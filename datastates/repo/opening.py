@@ -247,9 +247,16 @@ def quarantine_catalog(path: str | os.PathLike[str], hot: str | os.PathLike[str]
     return tier.quarantine(cat, "catalog damaged; rebuilt from the version records")
 
 
+MAX_CHUNK_SIZE = 1 << 30
+"""The largest chunk a store takes: a save stages a chunk whole in one slot of its pool, so a terabyte chunk size
+(which FORMAT then kept for good) made every later save fail allocating a slot (a hunt)."""
+
+
 def check_chunk_size(size: int) -> None:
-    if size <= 0 or size % 64:
-        raise InvalidArgumentError(f"chunk_size {size} must be a positive multiple of 64 bytes")
+    """InvalidArgumentError unless `size` is a whole multiple of 64 bytes from 64 B to `MAX_CHUNK_SIZE`."""
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % 64 or size > MAX_CHUNK_SIZE:
+        raise InvalidArgumentError(f"chunk_size {size!r} must be a multiple of 64 bytes from 64 B to 1 GiB "
+                                   "(the default is 16 MiB)")
 
 
 def _no_store(root: Path) -> NotFoundError:
