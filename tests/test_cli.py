@@ -417,3 +417,19 @@ def test_json_output_is_strict_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     parsed = json.loads(out, parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert {r["key"]: (r["rel_change"], r["cosine"]) for r in parsed} == {"bias": ("Infinity", None),
                                                                           "w": ("Infinity", None)}
+
+
+def test_a_reading_command_with_hot_leaves_a_one_tier_store_as_it_was(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """`--hot DIR` is that command's hot tier only, yet `log --hot DIR` on a one-tier store marked its FORMAT as a
+    cold tier's (without config.toml, which --hot never writes): every plain command on it then failed with
+    StoreFormatError, 'the cold tier of a two-tier store'."""
+    from helpers.states import snapshot
+
+    path, vs = made
+    before = snapshot(path)
+    rc, out, _ = run(capsys, "--store", str(path), "--hot", str(tmp_path / "mine"), "log")
+    assert rc == 0 and vs[-1].short in out
+    assert snapshot(path) == before and not (path / "config.toml").exists()
+    rc, out, err = run(capsys, "--store", str(path), "log")
+    assert rc == 0 and vs[-1].short in out, err

@@ -162,7 +162,9 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         pass  # nothing is written: no role mark, no settings
     elif cold_ok and cold_info is None:
         _creating(cold_tier, settings | {"tier": "cold"}, "store")
-    elif cold_ok and cold_info is not None and cold_info.get("tier") != "cold":
+    elif cold_ok and cold_info is not None and cold_info.get("tier") != "cold" and (record_tiers or saved is not None):
+        # Not for a one-tier store read through a hot tier for this open only (record_tiers=False, no config.toml:
+        # the CLI's --hot): the mark without config.toml made every later plain open of it fail.
         try:
             cold_tier.mark_cold(cold_info)  # made before FORMAT recorded the role (2026-11-29)
         except OSError as exc:  # a read-only mount: the store opens as before, unmarked
