@@ -433,3 +433,17 @@ def test_a_reading_command_with_hot_leaves_a_one_tier_store_as_it_was(
     assert snapshot(path) == before and not (path / "config.toml").exists()
     rc, out, err = run(capsys, "--store", str(path), "log")
     assert rc == 0 and vs[-1].short in out, err
+
+
+def test_plot_takes_store_and_debug_after_its_kind(made: tuple[Path, list[ds.Version]],
+                                                   capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Every command takes --store after its name (`datastates log --store PATH`); `datastates plot lineage
+    --store PATH` ended in 'unrecognized arguments: --store' (exit 2), as did --debug there."""
+    path, _ = made
+    out = tmp_path / "l.svg"
+    rc, printed, err = run(capsys, "plot", "lineage", "--store", str(path), "--debug", "-o", str(out))
+    assert rc == 0 and out.is_file() and f"wrote {out}" in printed, err
+    # Given before the command and after its kind, the later one is used, as for the other commands.
+    rc, _, err = run(capsys, "--store", str(tmp_path / "nope"), "plot", "norms", "--store", str(path),
+                     "-o", str(tmp_path / "n.png"))
+    assert rc == 0 and (tmp_path / "n.png").is_file(), err

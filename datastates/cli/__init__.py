@@ -18,6 +18,7 @@ from typing import Any
 from ..errors import DataStatesError
 from ..store import Store
 from . import inspect, maintenance, plot, programs, refs, serve, tiers, transfer
+from .arguments import common_options
 from .output import with_store
 
 GROUPS = (maintenance, inspect, refs, tiers, transfer, programs, plot, serve)
@@ -36,12 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
         # `datastates log --store PATH` works as well as `datastates --store PATH log`.
         s = add(name, **kw)
-        if name not in ("bench", "demo"):  # their own directory is --dir, never a user's store
-            s.add_argument("--store", default=argparse.SUPPRESS, help="store directory (default: $DATASTATES_STORE)")
-            s.add_argument("--hot", default=argparse.SUPPRESS, help="a node-local hot tier of your own for a "
-                           "two-tier store (default: the one its config.toml names)")
-        s.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                       help="show the full traceback of an error")
+        # bench and demo: their own directory is --dir, never a user's store
+        common_options(s, store=name not in ("bench", "demo"))
         return s
 
     sub.add_parser = add_parser  # type: ignore[method-assign]

@@ -6,6 +6,17 @@ from __future__ import annotations
 import argparse
 
 
+def common_options(parser: argparse.ArgumentParser, store: bool = True) -> None:
+    """--store and --hot (with `store`) and --debug on a subcommand's parser, so that "datastates log --store PATH"
+    works as well as "datastates --store PATH log"; SUPPRESS keeps a value given before the subcommand."""
+    if store:
+        parser.add_argument("--store", default=argparse.SUPPRESS, help="store directory (default: $DATASTATES_STORE)")
+        parser.add_argument("--hot", default=argparse.SUPPRESS, help="a node-local hot tier of your own for a "
+                            "two-tier store (default: the one its config.toml names)")
+    parser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                        help="show the full traceback of an error")
+
+
 def whole(text: str, least: int = 0) -> int:
     """`text` as an int of at least `least`. Raises argparse.ArgumentTypeError otherwise."""
     try:

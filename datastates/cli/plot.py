@@ -10,7 +10,7 @@ from typing import Any
 from .. import plot as plots
 from ..errors import InvalidArgumentError
 from ..store import Store
-from .arguments import positive
+from .arguments import common_options, positive
 
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -23,6 +23,7 @@ def register(sub: Any) -> None:
 
     def kind(name: str, help: str) -> argparse.ArgumentParser:
         k = kinds.add_parser(name, help=help)
+        common_options(k)  # `datastates plot norms --store PATH`, as every other command takes it after its name
         k.add_argument("-o", "--out", type=Path, default=None, help=f"image file (default: {name}.png)")
         k.add_argument("--dpi", type=int, default=100)
         k.set_defaults(handler=_plot, plot_kind=name)
