@@ -447,3 +447,19 @@ def test_plot_takes_store_and_debug_after_its_kind(made: tuple[Path, list[ds.Ver
     rc, _, err = run(capsys, "--store", str(tmp_path / "nope"), "plot", "norms", "--store", str(path),
                      "-o", str(tmp_path / "n.png"))
     assert rc == 0 and (tmp_path / "n.png").is_file(), err
+
+
+def test_log_shows_a_message_of_several_lines_on_its_own_row(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """`log` is one line per version, yet a message 'a\\nb' printed its second line as a row of its own (one that
+    could pass for another version's), and an escape sequence in it reached the terminal."""
+    path = tmp_path / "s"
+    with ds.Store.open(path) as s:
+        v1 = s.save({"w": torch.ones(2)}, step=1, message="subject\nf5428b8664a8  2026-01-01  forged row")
+        v2 = s.save({"w": torch.zeros(2)}, step=2, message="red \x1b[31malert")
+    rc, out, _ = run(capsys, "--store", str(path), "log")
+    rows = out.splitlines()
+    assert rc == 0 and len(rows) == 2 and [r.split()[0] for r in rows] == [v2.short, v1.short]
+    assert rows[1].endswith("subject ...") and "\x1b" not in out and "red \\x1b[31malert" in rows[0]
+    rc, out, _ = run(capsys, "--store", str(path), "log", "--json")  # JSON keeps the message whole
+    assert [r["message"] for r in json.loads(out)] == [v2.message, v1.message]

@@ -9,7 +9,7 @@ from typing import Any
 from ..base.config import human_bytes
 from ..store import Store
 from .arguments import positive
-from .output import fmt, print_json, when, with_store
+from .output import fmt, one_line, print_json, when, with_store
 
 
 def register(sub: Any) -> None:
@@ -68,7 +68,7 @@ def _log(store: Store, args: argparse.Namespace) -> int:
         metrics = " ".join(f"{k}={val:.4g}" if isinstance(val, float) else f"{k}={val}"
                            for k, val in v.metrics.items())
         step = "-" if v.step is None else str(v.step)
-        tail = "  ".join(x for x in (metrics, v.message, " ".join(deco)) if x)
+        tail = "  ".join(x for x in (metrics, one_line(v.message), " ".join(deco)) if x)
         print(f"{v.short}  {when(v.created)}  {step:>8}  {human_bytes(v.bytes_new):>10}  {tail}".rstrip())
     graph = store.repo.graph
     followed = (lambda v: v.parents[:1]) if args.first_parent else (lambda v: v.parents)

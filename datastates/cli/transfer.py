@@ -9,6 +9,7 @@ from ..base.config import human_bytes
 from ..ecosystem.transfer import export, import_checkpoints
 from ..save.foreign import FORMATS
 from ..store import Store
+from .output import one_line
 
 
 def register(sub: Any) -> None:
@@ -34,7 +35,7 @@ def _import(store: Store, args: argparse.Namespace) -> int:
     rep = import_checkpoints(store, args.paths, branch=args.branch, glob=args.glob, step_from=args.step_from,
                              allow_pickle=args.allow_pickle)
     for v in rep.versions:
-        print(f"{v.short}  step={v.step}  {v.message}")
+        print(f"{v.short}  step={v.step}  {one_line(v.message)}")
     print(f"{len(rep.versions)} version(s) on {args.branch}; {human_bytes(rep.bytes_total)} as saved, "
           f"{human_bytes(rep.bytes_new)} new ({human_bytes(rep.bytes_saved)} saved by dedup)")
     return 0
