@@ -463,3 +463,15 @@ def test_log_shows_a_message_of_several_lines_on_its_own_row(tmp_path: Path,
     assert rows[1].endswith("subject ...") and "\x1b" not in out and "red \\x1b[31malert" in rows[0]
     rc, out, _ = run(capsys, "--store", str(path), "log", "--json")  # JSON keeps the message whole
     assert [r["message"] for r in json.loads(out)] == [v2.message, v1.message]
+
+
+@pytest.mark.parametrize("count", ["9" * 5000, "0" * 5000 + "1", "9" * 19])
+def test_a_ref_with_a_count_of_thousands_of_digits_goes_past_the_root(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str], count: str) -> None:
+    """`main~<5000 digits>` ended in ValueError's traceback (int() refuses over 4300 digits)."""
+    path, vs = made
+    rc, out, err = run(capsys, "--store", str(path), "show", f"main~{count}")
+    assert rc == 1 and out == "" and "NotFoundError" in err and "goes past the root" in err and len(err) < 400, err
+    with ds.Store.open(path) as s:  # the short forms read as before
+        assert [s.resolve(r) for r in ("main~0", "main~", "main~1~1", "main~^", "main~002")] == [
+            vs[2].id, vs[1].id, vs[0].id, vs[0].id, vs[0].id]

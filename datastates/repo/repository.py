@@ -36,6 +36,7 @@ from ..meta.refs import HEX_ID, RefStore, check_name
 from ..meta.versions import (
     LATER_METRICS,
     Version,
+    cut,
     decode_record,
     encode_annotations,
     merge_metrics,
@@ -184,13 +185,16 @@ class Repository:
         m = _REF_SUFFIX.fullmatch(ref)  # ($ would match before a trailing newline: 'main~1\n' read as main~1)
         if m and m.group(1):
             base, suffix = m.group(1), m.group(2)
-            n = sum(int(x) if x else 1 for x in re.findall(r"~([0-9]*)", suffix)) + suffix.count("^")
+            # A count of more than 18 digits (int() refuses over 4300, a ValueError) is past any chain's root.
+            n = sum((int(x) if len(x) <= 18 else 10**18) if x else 1 for x in re.findall(r"~([0-9]*)", suffix))
+            n += suffix.count("^")
             vid = self.resolve(base)
             for i in range(n):
                 parents = self.parents(vid)
                 if not parents:
                     raise NotFoundError(
-                        f"{ref} goes past the root: {base} has only {i + 1} version(s) in its first-parent chain")
+                        f"{cut(ref, 80)} goes past the root: {base} has only {i + 1} version(s) in its first-parent "
+                        "chain")
                 vid = parents[0]
             return vid
         kind_name = ref.split(":", 1)
