@@ -21,20 +21,51 @@ class DataStatesError(Exception):
 _HINT = re.compile("`" + r"datastates ([^`]*)`")  # split: tests/test_hints.py runs every `datastates ...` literal
 
 
-def with_store(text: str, store: str | None) -> str:
+def with_store(text: str, store: str | None, hot: str | None = None) -> str:
     """`text` with `--store STORE` put into each backquoted hint that is a datastates command, so that the
     hint runs as given in the user's shell. Unchanged when `store` is what $DATASTATES_STORE already names
-    (or None), and for hints that name a store of their own."""
-    if not store or store == os.environ.get("DATASTATES_STORE"):
+    (or None), and for hints that name a store of their own. `hot` (a command's --hot) is put in too: without
+    it the hint would read the hot tier config.toml names, which may be another user's or another node's."""
+    add_store = bool(store) and store != os.environ.get("DATASTATES_STORE")
+    if not add_store and not hot:
         return text
 
     def put(m: re.Match[str]) -> str:
-        rest = m.group(1)
-        if "--store" in rest.split() or rest.split()[:1] in (["demo"], ["bench"]):
+        words = m.group(1).split()
+        if words[:1] in (["demo"], ["bench"]):
             return m.group(0)
-        return m.group(0).replace("datastates ", f"datastates --store {shlex.quote(store)} ", 1)
+        try:
+            argv = shlex.split(m.group(1))
+        except ValueError:
+            argv = words
+        named = _value(argv, "--store")
+        if named is not None and named != store:  # a store of its own
+            return m.group(0)
+        options = ""
+        if add_store and named is None:
+            options += " " + _option("--store", store or "")
+        # Not into `init`, which would record the reader's directory as the new store's hot tier.
+        if hot and _value(argv, "--hot") is None and "init" not in argv:
+            options += " " + _option("--hot", hot)
+        return "`datastates" + options + m.group(0)[len("`datastates"):]
 
     return _HINT.sub(put, text)
+
+
+def _value(argv: list[str], name: str) -> str | None:
+    """The value of option `name` in `argv` (`name VALUE` or `name=VALUE`), None when it is not there."""
+    for i, word in enumerate(argv):
+        if word == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if word.startswith(name + "="):
+            return word[len(name) + 1:]
+    return None
+
+
+def _option(name: str, value: str) -> str:
+    """`name value` for a shell; `name=value` for a value starting with '-', which argparse would read as an
+    option (`--store -runs` fails with 'expected one argument')."""
+    return f"{name}={shlex.quote(value)}" if value.startswith("-") else f"{name} {shlex.quote(value)}"
 
 
 def name_store(exc: BaseException, store: str) -> None:

@@ -475,3 +475,33 @@ def test_a_ref_with_a_count_of_thousands_of_digits_goes_past_the_root(
     with ds.Store.open(path) as s:  # the short forms read as before
         assert [s.resolve(r) for r in ("main~0", "main~", "main~1~1", "main~^", "main~002")] == [
             vs[2].id, vs[1].id, vs[0].id, vs[0].id, vs[0].id]
+
+
+def test_a_hint_keeps_the_commands_hot_tier_and_a_store_named_like_an_option(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hints put --store in but dropped --hot: pasted, they read the hot tier config.toml names (another user's,
+    another node's) instead of the reader's own. And a store path starting with '-' made hints that failed with
+    'argument --store: expected one argument'."""
+    import re
+    import shlex
+
+    monkeypatch.delenv("DATASTATES_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    with ds.Store.open("cold", hot=str(tmp_path / "owners-hot")) as s:
+        s.save({"w": torch.ones(2)}, step=1)
+        s.flush()
+    rc, _, err = run(capsys, "--store", "cold", "--hot", "mine", "show", "nope")
+    hints = re.findall(r"`(datastates [^`]*)`", err)
+    assert rc == 1 and hints and all(" --store cold " in h and " --hot mine " in h for h in hints), err
+    for hint in hints:
+        assert run(capsys, *shlex.split(hint)[1:])[0] == 0, hint
+    # `init` would record the reader's directory as a new store's hot tier: its hint stays as it was.
+    rc, _, err = run(capsys, "--store", "none", "--hot", "mine2", "log")
+    assert rc == 1 and "`datastates init --store none`" in err, err
+    with ds.Store.open("-runs") as s:
+        s.save({"w": torch.ones(2)}, step=1)
+    rc, _, err = run(capsys, "--store=-runs", "show", "nope")
+    hints = re.findall(r"`(datastates [^`]*)`", err)
+    assert rc == 1 and hints and all(h.startswith("datastates --store=-runs ") for h in hints), err
+    for hint in hints:
+        assert run(capsys, *shlex.split(hint)[1:])[0] == 0, hint

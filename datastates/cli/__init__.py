@@ -59,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.debug:
             raise
         # The hints in messages say `datastates fsck`: with --store given, that alone would find no store.
-        print(f"datastates: {type(exc).__name__}: {with_store(str(exc), getattr(args, 'store', None))}",
-              file=sys.stderr)
+        message = with_store(str(exc), getattr(args, "store", None), getattr(args, "hot", None))
+        print(f"datastates: {type(exc).__name__}: {message}", file=sys.stderr)
         return 1
 
 
@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     # hints in them naming the store as the errors' do.
     warnings = logging.StreamHandler(sys.stderr)
     warnings.setLevel(logging.WARNING)
-    warnings.addFilter(_NamingStore(args.store))
+    warnings.addFilter(_NamingStore(args.store, getattr(args, "hot", None)))
     logger = logging.getLogger("datastates")
     logger.addHandler(warnings)
     try:
@@ -94,12 +94,12 @@ def _run(args: argparse.Namespace) -> int:
 class _NamingStore(logging.Filter):
     """Puts `--store STORE` into the command hints of a log record's message (see `with_store`)."""
 
-    def __init__(self, store: str) -> None:
+    def __init__(self, store: str, hot: str | None = None) -> None:
         super().__init__()
-        self.store = store
+        self.store, self.hot = store, hot
 
     def filter(self, record: logging.LogRecord) -> bool:
-        record.msg, record.args = with_store(record.getMessage(), self.store), None
+        record.msg, record.args = with_store(record.getMessage(), self.store, self.hot), None
         return True
 
 

@@ -75,7 +75,7 @@ def _log(store: Store, args: argparse.Namespace) -> int:
     absent = [(v, p) for v in versions for p in followed(v) if not graph.has(p)]
     for v, p in absent:  # where the walk ended early, as git marks a shallow clone's boundary
         print(with_store(f"(history goes on past {v.short}: its parent {p} is not on this node; "
-                         "`datastates fsck` says why)", args.store))
+                         "`datastates fsck` says why)", args.store, getattr(args, "hot", None)))
     return 0
 
 

@@ -82,7 +82,7 @@ def _fsck(store: Store, args: argparse.Namespace) -> int:
     else:
         for label, lines in (("repaired:", rep.repaired), ("problem: ", rep.problems), ("note:    ", rep.notes)):
             for line in lines:
-                print(f"{label} {with_store(line, args.store)}")
+                print(f"{label} {with_store(line, args.store, getattr(args, 'hot', None))}")
         counts = ", ".join(f"{n} {k}" for k, n in rep.checked.items())
         print(f"{'ok' if rep.ok else 'NOT OK'}: checked {counts}")
     return 0 if rep.ok else 1
@@ -185,7 +185,8 @@ def _run_prune(store: Store, args: argparse.Namespace) -> int:
     # bytes_freed counts only this call's versions: "0 B" after a second prune hid what gc still frees
     before = (f", beside what the {len(result.already_pruned)} version(s) pruned before hold "
               "(`datastates gc --dry-run` counts all)" if result.already_pruned else "")
-    print(with_store(f"{human_bytes(result.bytes_freed)} can be freed {tail}{before}", getattr(args, "store", None)))
+    print(with_store(f"{human_bytes(result.bytes_freed)} can be freed {tail}{before}", getattr(args, "store", None),
+                     getattr(args, "hot", None)))
     return 0
 
 
