@@ -9,7 +9,8 @@ What each one reads:
 - `norms`: manifests only (the per-tensor stats stored at save time), never tensor bytes.
 - `update_ratios`: manifests, plus the bytes of the chunks that changed between a version and the
   previous one of the chain, one chunk at a time (unchanged chunks cost nothing).
-- `histograms`: the one tensor asked for, one version at a time; bin edges come from stored min/max.
+- `histograms`: the one tensor asked for, one version at a time; bin edges come from stored min/max (read from
+  the values first for a version that stored none: a view, a complex tensor).
 - `diff`: what `Store.diff` reads (changed chunks of both versions).
 - `lineage`: version records and the catalog's graph, no manifest nor tensor.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 
 from .errors import InvalidArgumentError, MissingDependencyError, NotFoundError
 from .meta.versions import shown
@@ -97,8 +99,17 @@ def _selected(key: str, patterns: list[str] | None) -> bool:
 
 
 def _chain(store: Store, ref: Any) -> list[Version]:
-    """The first-parent chain ending at `ref`, oldest first, pruned versions left out."""
-    return history_versions(store.repo, ref)
+    """The first-parent chain ending at `ref`, oldest first, pruned versions left out. Raises PrunedError when
+    `ref` itself was pruned (then so was every version before it: the chain has nothing to show)."""
+    chain = history_versions(store.repo, ref)
+    if not chain:
+        _refuse_pruned(store, ref)
+    return chain
+
+
+def _refuse_pruned(store: Store, ref: Any) -> None:
+    """PrunedError naming `ref` when it was pruned (its manifest, which the plots read, is gone)."""
+    store.manifest_of(store.version(ref))
 
 
 def _x_of(versions: Sequence[Version]) -> np.ndarray:
@@ -143,7 +154,8 @@ def norms_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None
                stat: str = "l2") -> NormsData:
     """A stored per-tensor statistic along the first-parent chain of `ref`; reads manifests only.
 
-    Raises InvalidArgumentError (unknown stat), NotFoundError (ref, or keys matching no tensor).
+    Raises InvalidArgumentError (unknown stat), NotFoundError (ref, or keys matching no tensor), PrunedError (`ref`
+    was pruned).
     """
     store = _as_store(store)
     if stat not in STATS:
@@ -308,7 +320,8 @@ class HistogramData:
     """Versions histogrammed, oldest first (evenly spaced over the chain when it was longer than asked)."""
     x: np.ndarray
     edges: np.ndarray
-    """bins + 1 edges spanning the stored min..max of the tensor over those versions."""
+    """bins + 1 edges spanning the min..max of the tensor's finite values over those versions (stored, or read from
+    the values of a version that stored none)."""
     counts: np.ndarray
     """versions x bins; each row sums to the tensor's count of finite values."""
     has_steps: bool = True
@@ -321,9 +334,11 @@ MAX_BINS = 10_000
 def histograms_data(store: Store, ref: Any = "main", key: str = "", *, bins: int = 64,
                     max_versions: int | None = 200) -> HistogramData:
     """Histograms of tensor `key` along `ref`'s first-parent chain, reading only that tensor, one
-    version at a time. Bin edges come from the stored min/max (no pass over the bytes to find them).
-    Raises NotFoundError (ref, or no version has `key`), InvalidArgumentError (bins not in 1..MAX_BINS,
-    max_versions < 2)."""
+    version at a time. Bin edges come from the stored min/max (no pass over the bytes to find them), or for a
+    version that stored none (a view, a complex tensor) from its values, read once more. A complex tensor counts
+    its real and imaginary parts, as its statistics do.
+    Raises NotFoundError (ref, or no version has `key`), PrunedError (`ref` was pruned), InvalidArgumentError
+    (bins not in 1..MAX_BINS, max_versions < 2)."""
     store = _as_store(store)
     if bins < 1 or bins > MAX_BINS:
         raise InvalidArgumentError(f"bins must be 1 to {MAX_BINS}, not {bins} (a figure shows a few hundred at most; "
@@ -332,28 +347,47 @@ def histograms_data(store: Store, ref: Any = "main", key: str = "", *, bins: int
         raise InvalidArgumentError(f"max_versions must be at least 2 (or None for all), not {max_versions}")
     stats = store.history(key, ref)  # raises NotFoundError with close key names on a typo
     ids: list[str] = stats.column("version").to_pylist()
+    if not ids:  # no live version in the chain: `ref` was pruned (an empty figure raised IndexError: a review)
+        _refuse_pruned(store, ref)
     pick = list(range(len(ids)))
     if max_versions is not None and len(ids) > max_versions:
         pick = sorted(set(np.linspace(0, len(ids) - 1, max_versions).round().astype(int).tolist()))
-    mins = np.array(stats.column("min").to_pylist(), dtype=np.float64)[pick]
-    maxs = np.array(stats.column("max").to_pylist(), dtype=np.float64)[pick]
+    versions = [ids[i] for i in pick]
+    stored = list(zip(stats.column("min").to_pylist(), stats.column("max").to_pylist()))
+    # The bins span the stored min/max; a version that stored none (a view, a complex tensor, an empty or all-NaN
+    # one) has its range read from its values first: bins that missed its values dropped them silently, its row
+    # counting nothing (a review).
+    ranges = [stored[i] if stored[i][0] is not None and stored[i][1] is not None
+              else _finite_range(_values(_one_tensor(store, vid, key))) for i, vid in zip(pick, versions)]
+    mins = np.array([r[0] for r in ranges if r is not None], dtype=np.float64)
+    maxs = np.array([r[1] for r in ranges if r is not None], dtype=np.float64)
     mins, maxs = mins[np.isfinite(mins)], maxs[np.isfinite(maxs)]
-    # No finite stored min/max (all-NaN tensors, or empty ones): any range will do, nothing falls in it.
+    # No finite value in any version (all-NaN tensors, or empty ones): any range will do, nothing falls in it.
     lo, hi = (float(mins.min()), float(maxs.max())) if mins.size and maxs.size else (-1.0, 1.0)
     if hi <= lo:
         lo, hi = lo - 0.5, hi + 0.5
     edges = np.linspace(lo, hi, bins + 1)
     counts = np.zeros((len(pick), bins), dtype=np.int64)
-    versions = [ids[i] for i in pick]
     for row, vid in enumerate(versions):
-        tensor = _one_tensor(store, vid, key)
-        values = tensor.detach().to("cpu").double().flatten().numpy()
-        values = values[np.isfinite(values)]
-        counts[row] = np.histogram(values, bins=edges)[0]
+        counts[row] = np.histogram(_values(_one_tensor(store, vid, key)), bins=edges)[0]
     steps = stats.column("step").to_pylist()
     has_steps = all(steps[i] is not None for i in pick)
     x = np.array([steps[i] for i in pick] if has_steps else pick, dtype=np.int64)
     return HistogramData(key, versions, x, edges, counts, has_steps)
+
+
+def _values(tensor: Any) -> np.ndarray:
+    """The finite values of a tensor as float64, flat; a complex tensor's real and imaginary parts, as its stored
+    statistics and `diff` count them (a cast to float kept the real parts alone, with a warning)."""
+    t = tensor.detach().to("cpu")
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    values = t.double().flatten().numpy()
+    return values[np.isfinite(values)]
+
+
+def _finite_range(values: np.ndarray) -> tuple[float, float] | None:
+    return (float(values.min()), float(values.max())) if values.size else None
 
 
 def _one_tensor(store: Store, ref: Any, key: str) -> Any:

@@ -184,6 +184,42 @@ def test_histograms_sample_long_chains_keeping_first_and_last(trained: ds.Store)
         plot.histograms(trained, "main", "model.2.bias", bins=100_000_000)  # (it ran for minutes: a review)
 
 
+def test_histograms_count_every_value_of_tensors_without_stored_min_max(tmp_path: Path) -> None:
+    """Views and complex tensors store no min/max: the bins were -1..1 and every value outside them was dropped
+    silently (a row of zeros for a view of values beyond 1), and a complex tensor lost its imaginary parts."""
+    base = torch.tensor([-3.0, -2.0, 0.5, 2.0, 4.0, 5.0])
+    with ds.Store.open(tmp_path / "s") as s:
+        for i in range(3):
+            scaled = base * (i + 1)  # "base" and "part" share it: both are stored as views
+            s.save({"base": scaled, "part": scaled[1:5],
+                    "z": torch.tensor([3 + 4j, -2 - 1j], dtype=torch.complex64) * (i + 1)}, step=i)
+        assert {t.key: t.kind for t in s.ls()} == {"base": "view", "part": "view", "z": "tensor"}
+        for key, count in (("part", 4), ("base", 6), ("z", 4)):
+            data = plot.histograms_data(s, "main", key, bins=5)
+            assert data.counts.sum(1).tolist() == [count] * 3, key
+            for row, vid in enumerate(data.versions):
+                t = s.load(vid, keys=[key])[key]
+                values = (torch.view_as_real(t) if t.is_complex() else t).double().numpy().ravel()
+                assert data.counts[row].tolist() == np.histogram(values, bins=data.edges)[0].tolist()
+        assert plot.histograms_data(s, "main", "z", bins=5).edges[[0, -1]].tolist() == [-6.0, 12.0]
+
+
+def test_plots_of_a_pruned_version_say_it_was_pruned(tmp_path: Path) -> None:
+    """A pruned ref has no live version to plot: histograms raised IndexError from an empty figure, update_ratios
+    said to save another version."""
+    from datastates.retention import KeepLatest, Retention
+
+    with ds.Store.open(tmp_path / "s") as s:
+        for i in range(3):
+            s.save({"w": torch.randn(4)}, step=i)
+        s.prune(Retention(KeepLatest(1)))
+        old = s.log("main")[-1].id
+        for draw in (lambda: plot.histograms(s, old, "w"), lambda: plot.update_ratios(s, old),
+                     lambda: plot.norms(s, old)):
+            with pytest.raises(ds.PrunedError, match=f"version {old[:12]} was pruned"):
+                draw()
+
+
 def test_an_unbounded_change_is_a_red_bar_not_none(tmp_path: Path) -> None:
     """A change from all zeros, or to NaN, was drawn as no bar: no change (a review)."""
     with ds.Store.open(tmp_path / "s") as s:
