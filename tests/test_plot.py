@@ -96,6 +96,26 @@ def test_norms_refuses_unknown_stat_and_keys_matching_nothing(trained: ds.Store)
         plot.norms(trained, "no-such-branch")
 
 
+def test_norms_of_a_tied_weight_are_those_of_the_tensor_it_shares(tmp_path: Path) -> None:
+    """A tied weight is stored as an alias of the other key: `ls` showed no statistics for it, and norms left it
+    out (asked by name: 'no tensor matches model.head.weight; did you mean model.head.weight?')."""
+    emb, head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = torch.nn.ModuleDict({"emb": emb, "head": head})
+    with ds.Store.open(tmp_path / "s") as s:
+        for i in range(3):
+            with torch.no_grad():
+                emb.weight.mul_(2.0)
+            s.save({"model": model}, step=i)
+        assert {t.key: t.kind for t in s.ls()} == {"model.emb.weight": "tensor", "model.head.weight": "alias"}
+        data = plot.norms_data(s, "main")
+        assert set(data.values) == {"model.emb.weight", "model.head.weight"}
+        np.testing.assert_allclose(data.values["model.head.weight"], s.history("model.head.weight").column("l2"))
+        np.testing.assert_allclose(data.values["model.head.weight"][-1], float(emb.weight.detach().double().norm()))
+        assert plot.norms_data(s, "main", "model.head.weight", stat="max").values["model.head.weight"][-1] == \
+            float(emb.weight.detach().max())
+
+
 def test_update_ratios_are_the_relative_change_of_the_saved_tensors(trained: ds.Store) -> None:
     data = plot.update_ratios_data(trained, "main")
     assert data.keys == sorted(KEYS)

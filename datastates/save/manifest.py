@@ -295,11 +295,14 @@ class Manifest:
         return {k: i for i, k in enumerate(self.table.column("key").to_pylist())}
 
     def info(self) -> list[TensorInfo]:
+        """What `ls` shows of each key (storages left out). A tied weight (an alias) shows its base's statistics:
+        the same tensor (they read as None, and `plot.norms` said no tensor matched the alias's key)."""
         out = []
         for r in self.rows:
             if r["kind"] == "storage":
                 continue
             nbytes = math.prod(r["shape"]) * dtype_from_name(r["dtype"]).itemsize
+            held = self.row(r["base"]) if r["kind"] == "alias" else r
             out.append(TensorInfo(r["key"], r["dtype"], tuple(r["shape"]), nbytes, r["kind"], len(r["chunks"]),
-                                  {f: r[f] for f in (*STAT_FIELDS, *COUNT_FIELDS)}))
+                                  {f: held[f] for f in (*STAT_FIELDS, *COUNT_FIELDS)}))
         return out
