@@ -299,6 +299,29 @@ def test_lineage_of_refs_is_their_ancestors(trained: ds.Store) -> None:
         plot.lineage(trained, "ft", population="pop")
 
 
+def test_lineage_walks_the_ancestors_of_each_line_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each version of a population's branches walked its whole line again: quadratic in the versions."""
+    with ds.Store.open(tmp_path / "s") as store:
+        for t in range(6):
+            for m in ("pop/member-00", "pop/member-01"):
+                store.save({"w": torch.full((2,), float(t))}, branch=m, step=t)
+        store.branch("pop/member-02", at="pop/member-00~2")
+        store.save({"w": torch.zeros(2)}, branch="pop/member-02", step=9)
+        store.save({"w": torch.zeros(2)}, branch="elsewhere", step=1)
+        walks: list[str] = []
+        ancestors = ds.Store.ancestors
+        monkeypatch.setattr(ds.Store, "ancestors",
+                            lambda self, ref, **kw: walks.append(ref) or ancestors(self, ref, **kw))
+        data = plot.lineage_data(store, population="pop")
+        assert sorted(walks) == sorted(store.resolve(f"pop/member-0{i}") for i in range(3))  # the heads only
+        assert len(data.ids) == 13 and set(data.ids) == {v for v in store.versions_table().column("id").to_pylist()
+                                                         if store.version(v).branch != "elsewhere"}
+        walks.clear()
+        refs = plot.lineage_data(store, ["pop/member-02", "pop/member-00~1", "pop/member-00"])
+        assert len(walks) == 2 and set(refs.ids) == set(data.ids) - set(store.ancestors("pop/member-01")) - {
+            store.resolve("pop/member-01")}
+
+
 def test_lineage_names_a_metric_no_drawn_version_has(trained: ds.Store) -> None:
     """A typo in the metric drew every node grey, as versions without one, and exited 0."""
     with pytest.raises(ds.NotFoundError, match="no version drawn has the metric 'los'; the metrics they have: loss"):
