@@ -234,7 +234,8 @@ class UpdateRatioData:
     """keys x versions; 0.0 for an unchanged tensor, NaN where either side lacks the key, inf for an unbounded
     change (from all zeros, or to or from NaN or an infinity: a run that diverged), as `diff_data` has it."""
     chunks_read: int
-    """How many chunk pairs had to be read (the others were shared, so their change is known to be 0)."""
+    """How many chunk pairs had to be read (the others were shared, so their change is known to be 0); views of a
+    shared storage, whose bytes `diff` reads as the view sees them, are not counted."""
     has_steps: bool = True
 
 
@@ -251,11 +252,14 @@ def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str
         table = _diff(store.repo, prev.id, cur.id)
         col: dict[str, float] = {}
         for row in table.to_pylist():
-            if row["key"] is None or not _selected(row["key"], patterns) or row["chunks_total"] is None:
-                continue  # plain values, views and added/removed/reshaped tensors have no ratio
+            if row["key"] is None or not _selected(row["key"], patterns) or row["status"] not in ("same", "changed"):
+                continue  # added/removed/reshaped tensors have no ratio
             rel = row["rel_change"]
             col[row["key"]] = math.nan if rel is None else float(rel)
-            chunks_read += row["chunks_total"] - row["chunks_shared"]
+            # A view of a shared storage (no chunks of its own: diff compares the bytes it sees) has its ratio
+            # too; it was left out, and asked by name said no tensor matched it.
+            if row["chunks_total"] is not None:
+                chunks_read += row["chunks_total"] - row["chunks_shared"]
         cols.append(col)
     names = sorted({k for c in cols for k in c})
     if not names:
@@ -459,7 +463,7 @@ def diff_data(store: Store, a: Any, b: Any, keys: str | Iterable[str] | None = N
     for row in table.to_pylist():
         if row["status"] in ("added", "removed", "dtype_or_shape_changed"):
             other[row["key"]] = row["status"]
-        elif row["chunks_total"] is not None:
+        else:  # same or changed; views too (diff compares the bytes they see: they were left out, as no tensor)
             names.append(row["key"])
             rel.append(math.nan if row["rel_change"] is None else row["rel_change"])
             cos.append(math.nan if row["cosine"] is None else row["cosine"])

@@ -271,6 +271,26 @@ def test_diff_bars_are_the_stores_relative_change_and_cosine(trained: ds.Store) 
     assert "note" not in labels  # plain values have no norm
 
 
+def test_diff_and_update_ratios_compare_views_as_store_diff_does(tmp_path: Path) -> None:
+    """Slices of one saved storage are stored as views: store.diff compares them, but plot.diff and update_ratios
+    left them out (asked by name: 'no tensor of main matches ['part']')."""
+    with ds.Store.open(tmp_path / "s") as s:
+        for i in range(3):
+            whole = torch.arange(1.0, 7.0) * 2**i
+            s.save({"whole": whole, "part": whole[1:4], "w": torch.ones(2)}, step=i)
+        assert {t.key: t.kind for t in s.ls()} == {"whole": "view", "part": "view", "w": "tensor"}
+        table = {r["key"]: r for r in s.diff("main~2", "main").to_pylist()}
+        data = plot.diff_data(s, "main~2", "main")
+        assert data.keys == ["part", "w", "whole"] and not data.other
+        assert data.rel_change.tolist() == [table[k]["rel_change"] for k in data.keys] == [3.0, 0.0, 3.0]
+        np.testing.assert_allclose(data.cosine, [1.0, 1.0, 1.0])
+        ratios = plot.update_ratios_data(s, "main", "part")
+        assert ratios.keys == ["part"] and ratios.ratios.tolist() == [[1.0, 1.0]]  # it doubles at each step
+        assert plot.update_ratios_data(s, "main").keys == ["part", "w", "whole"]
+        fig = plot.diff(s, "main~2", "main", keys="part")
+    assert [p.get_width() for p in fig.axes[0].patches] == [3.0]
+
+
 def test_lineage_draws_one_node_per_version_and_every_edge(trained: ds.Store) -> None:
     data = plot.lineage_data(trained)
     versions = trained.versions_table().column("id").to_pylist()
