@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
+import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -119,9 +120,21 @@ def _x_of(versions: Sequence[Version]) -> np.ndarray:
     return np.arange(len(versions), dtype=np.int64)
 
 
-def _no_keys(store: Store, ref: Any, patterns: list[str] | None) -> NotFoundError:
-    """The error for key patterns that select nothing: a typo must not read as an empty plot."""
-    names = [t.key for t in store.ls(ref) if t.kind != "view"]
+def _no_keys(store: Store, ref: Any, patterns: list[str] | None, stat: str | None = None) -> NotFoundError:
+    """The error for key patterns that select nothing: a typo must not read as an empty plot. With `stat` (norms):
+    keys that match but stored no such statistic are named as such (they read as a typo, with the key itself
+    offered as the close match)."""
+    infos = store.ls(ref)
+    names = [t.key for t in infos]
+    held = [t.key for t in infos if _selected(t.key, patterns)]
+    if stat is not None and held:
+        at = ref if isinstance(ref, str) else store.version(ref).short
+        shown_keys = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        return NotFoundError(
+            f"{shown_keys} of {ref!r} stored no {stat!r} statistic (a view of a shared storage stores none, a complex "
+            "tensor only l2 and the NaN/Inf counts, an empty or all-NaN one no min, max, mean or std); "
+            f"`datastates plot histograms {shlex.quote(held[0])} {shlex.quote(at)}` draws its values (plot.histograms "
+            "in Python; store.history(key, ref, values=True) yields them)")
     close = list(dict.fromkeys(c for p in patterns or [] for c in difflib.get_close_matches(p, names, n=3, cutoff=0.5)))
     hint = f"did you mean {', '.join(close)}? " if close else ""
     return NotFoundError(f"no tensor of {ref!r} matches {patterns!r}; {hint}`datastates ls {ref}` lists its keys")
@@ -174,7 +187,7 @@ def norms_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None
                 values[info.key] = np.full(len(chain), np.nan)
             values[info.key][i] = float(s)
     if not values:
-        raise _no_keys(store, ref, patterns)
+        raise _no_keys(store, ref, patterns, stat)
     return NormsData(stat, [v.id for v in chain], _x_of(chain), values, all(v.step is not None for v in chain))
 
 

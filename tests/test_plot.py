@@ -116,6 +116,21 @@ def test_norms_of_a_tied_weight_are_those_of_the_tensor_it_shares(tmp_path: Path
             float(emb.weight.detach().max())
 
 
+def test_norms_of_keys_without_the_stat_say_so(tmp_path: Path) -> None:
+    """A complex tensor stores no mean, a view no statistics: norms said 'no tensor matches ['z']; did you mean z?'."""
+    with ds.Store.open(tmp_path / "s") as s:
+        whole = torch.arange(4.0)
+        s.save({"z": torch.ones(2, dtype=torch.complex64), "whole": whole, "part": whole[:2]}, step=0)
+        with pytest.raises(ds.NotFoundError, match=r"z of 'main' stored no 'mean' statistic \(.*complex.*\); "
+                           "`datastates plot histograms z main` draws its values"):
+            plot.norms(s, "main", "z", stat="mean")
+        assert plot.norms_data(s, "main", "z").values["z"].tolist() == [math.sqrt(2)]  # l2 it has
+        with pytest.raises(ds.NotFoundError, match="part of 'main' stored no 'l2' statistic"):
+            plot.norms(s, "main", "part")
+        with pytest.raises(ds.NotFoundError, match=r"no tensor of 'main' matches \['zz'\]; did you mean z\?"):
+            plot.norms(s, "main", "zz")
+
+
 def test_update_ratios_are_the_relative_change_of_the_saved_tensors(trained: ds.Store) -> None:
     data = plot.update_ratios_data(trained, "main")
     assert data.keys == sorted(KEYS)
