@@ -442,3 +442,14 @@ def test_cli_plot_writes_each_figure_to_the_named_file(trained: ds.Store, tmp_pa
     assert main(["--store", root, "plot", "histograms", "model.0.wieght", "-o", str(tmp_path / "x.png")]) == 1
     assert "did you mean 'model.0.weight'" in capsys.readouterr().err
     assert not (tmp_path / "x.png").exists()
+
+
+def test_cli_plot_refuses_a_dpi_whose_image_does_not_fit(trained: ds.Store, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """--dpi 100000 ended in MemoryError's traceback (Agg asked for a 800,000 x 450,000 pixel canvas)."""
+    from datastates.cli import main
+
+    out = tmp_path / "n.png"
+    assert main(["--store", str(trained.path), "plot", "norms", "--dpi", "100000", "-o", str(out)]) == 1
+    assert "--dpi 100000: the image would be 800,000 x 450,000 pixels" in capsys.readouterr().err
+    assert not out.exists()

@@ -13,6 +13,9 @@ from ..store import Store
 from .arguments import common_options, positive
 
 IMAGE_SUFFIXES = (".png", ".svg", ".pdf")
+MAX_PIXELS = 1 << 28
+"""The largest image `plot` draws (width x height at --dpi): 1 GiB of RGBA. --dpi 100000 asked Agg for hundreds of
+GiB and ended in MemoryError's traceback (or, where memory is overcommitted, the out-of-memory killer)."""
 
 
 def register(sub: Any) -> None:
@@ -72,6 +75,10 @@ def _plot(store: Store, args: argparse.Namespace) -> int:
         fig = plots.diff(store, args.a, args.b, args.keys)
     else:
         fig = plots.lineage(store, args.refs or None, population=args.population, metric=args.metric)
+    width, height = (float(n) * args.dpi for n in fig.get_size_inches())
+    if width * height > MAX_PIXELS:
+        raise InvalidArgumentError(f"--dpi {args.dpi}: the image would be {width:,.0f} x {height:,.0f} pixels, "
+                                   f"more than {MAX_PIXELS:,} to draw; give a smaller --dpi (100 to 300 is usual)")
     fig.savefig(out, dpi=args.dpi)
     print(f"wrote {out}")
     return 0
