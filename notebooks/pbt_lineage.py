@@ -54,6 +54,9 @@ pbt_toy = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(pbt_toy)
 
 path = Path(STORE or tempfile.mkdtemp()) / "pbt"
+if path.exists():  # a second run added its versions to the first's: numbers of both, or a tag conflict half way
+    raise SystemExit(f"{path} holds the store of an earlier run: point DATASTATES_NOTEBOOK_STORE at another "
+                     "directory, or remove that one")
 summary = pbt_toy.run(str(path), members=MEMBERS, steps=STEPS, interval=INTERVAL, seed=0)
 
 # %% [markdown]

@@ -38,6 +38,9 @@ import datastates as ds
 from datastates import plot
 
 path = Path(STORE or tempfile.mkdtemp()) / "restart"
+if path.exists():  # a second run added its versions to the first's: numbers of both, or a tag conflict half way
+    raise SystemExit(f"{path} holds the store of an earlier run: point DATASTATES_NOTEBOOK_STORE at another "
+                     "directory, or remove that one")
 torch.manual_seed(0)
 x = torch.randn(256, 10)
 y = (x[:, :3] ** 2).sum(1, keepdim=True) + 0.1 * torch.randn(256, 1)

@@ -44,6 +44,9 @@ import datastates as ds
 from datastates import plot
 
 path = Path(STORE or tempfile.mkdtemp()) / "weight-evolution"
+if path.exists():  # a second run added its versions to the first's: numbers of both, or a tag conflict half way
+    raise SystemExit(f"{path} holds the store of an earlier run: point DATASTATES_NOTEBOOK_STORE at another "
+                     "directory, or remove that one")
 store = ds.Store.open(path)
 
 torch.manual_seed(0)

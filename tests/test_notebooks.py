@@ -115,3 +115,27 @@ def test_restart_and_fork_notebook(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     with ds.Store.open(res["store"]) as store:
         assert store.version("main").metrics["loss"] == pytest.approx(res["loss_main"])
         assert store.version("low-lr-wd").metrics["loss"] == pytest.approx(res["loss_fork"])
+
+
+@pytest.mark.parametrize(("name", "folder"), [("weight_evolution", "weight-evolution"), ("pbt_lineage", "pbt"),
+                                              ("restart_and_fork", "restart")])
+def test_a_notebook_refuses_the_store_of_an_earlier_run(name: str, folder: str, tmp_path: Path) -> None:
+    """Run again with the same DATASTATES_NOTEBOOK_STORE, weight_evolution added its versions to the first run's,
+    then stopped half way at the tag, which existed (ConflictError); pbt_lineage reported numbers of both runs."""
+    import os
+    import subprocess
+
+    import torch
+
+    with ds.Store.open(tmp_path / folder) as store:
+        store.save({"w": torch.ones(2)}, step=1)
+        before = sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / folder).rglob("*") if p.is_file())
+    env = {**os.environ, "DATASTATES_NOTEBOOK_SIZE": "small", "DATASTATES_NOTEBOOK_STORE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(NOTEBOOKS.parent), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(NOTEBOOKS / f"{name}.py")], cwd=NOTEBOOKS.parent, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 1
+    assert done.stderr.strip() == (f"{tmp_path / folder} holds the store of an earlier run: point "
+                                   "DATASTATES_NOTEBOOK_STORE at another directory, or remove that one")
+    assert sorted((p, p.stat().st_mtime_ns) for p in (tmp_path / folder).rglob("*") if p.is_file()) == before
+
