@@ -262,7 +262,15 @@ def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str
     cols: list[dict[str, float]] = []
     chunks_read = 0
     for prev, cur in zip(chain, chain[1:]):
-        table = _diff(store.repo, prev.id, cur.id)
+        # Only the selected keys are compared: the whole diff read every changed chunk of every tensor, so the ratios
+        # of one small layer cost reading the whole model's changes (and chunks_read left those reads out).
+        wanted = None if patterns is None else sorted(
+            {r["key"] for v in (prev, cur) for r in store.manifest_of(v).rows
+             if r["kind"] != "storage" and _selected(r["key"], patterns)})
+        if wanted == []:
+            cols.append({})
+            continue
+        table = _diff(store.repo, prev.id, cur.id, wanted)
         col: dict[str, float] = {}
         for row in table.to_pylist():
             if row["key"] is None or not _selected(row["key"], patterns) or row["status"] not in ("same", "changed"):

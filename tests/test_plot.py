@@ -148,6 +148,27 @@ def test_update_ratios_are_the_relative_change_of_the_saved_tensors(trained: ds.
     assert data.chunks_read == 5 * 2 + 2 * 2  # one chunk per tensor, per changed pair
 
 
+def test_update_ratios_of_some_keys_read_the_chunks_of_those_keys_only(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ratios of one small tensor read every changed chunk of every tensor (the whole diff of each pair)."""
+    from datastates.repo.repository import Repository
+
+    with ds.Store.open(tmp_path / "s", chunk_size=1024) as s:
+        big, small = torch.zeros(4096), torch.ones(4)
+        for i in range(3):
+            big += 1.0
+            small *= 2.0
+            s.save({"big": big, "small": small, "other": torch.full((2,), float(i))}, step=i)
+        read: list[str] = []
+        real = Repository.read_chunk
+        monkeypatch.setattr(Repository, "read_chunk", lambda self, cid, key=None, *a, **kw: read.append(key)
+                            or real(self, cid, key, *a, **kw))
+        data = plot.update_ratios_data(s, "main", ["small", "oth*"])
+        assert data.keys == ["other", "small"] and data.ratios[1].tolist() == [1.0, 1.0]
+        assert data.chunks_read == 4 and sorted(set(read)) == ["other", "small"] and len(read) == 2 * 4
+        assert np.isposinf(data.ratios[0, 0]) and data.ratios[0, 1] == 1.0  # other: from zeros, then 1 -> 2
+
+
 def test_update_ratios_heatmap_holds_log10_of_the_ratios(trained: ds.Store) -> None:
     data = plot.update_ratios_data(trained, "main")
     fig = plot.update_ratios(trained, "main")
