@@ -23,6 +23,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import math
+import operator
 import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from .errors import InvalidArgumentError, MissingDependencyError, NotFoundError
 from .meta.versions import shown
 from .query.compare import diff as _diff
 from .query.compare import history_versions
+from .save.tree import key_patterns
 from .store import Store
 
 if TYPE_CHECKING:
@@ -87,9 +89,21 @@ def _as_store(store: Any) -> Store:
 
 
 def _patterns(keys: str | Iterable[str] | None) -> list[str] | None:
-    if keys is None:
-        return None
-    return [keys] if isinstance(keys, str) else list(keys)
+    """`keys` as a list of patterns. Raises InvalidArgumentError for what is no key, glob or list of them (keys=5
+    raised TypeError from list(); a list holding an int, from fnmatch)."""
+    return key_patterns(keys)
+
+
+def _count(name: str, value: Any, least: int) -> int:
+    """`value` as an int (a NumPy integer too). Raises InvalidArgumentError unless it is a whole number of at least
+    `least` (bins=2.5 raised numpy's TypeError, max_keys=0 numpy's ValueError on an empty figure)."""
+    try:
+        n = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        n = None
+    if n is None or n < least:
+        raise InvalidArgumentError(f"{name}={value!r}: give a whole number, {least} or more")
+    return n
 
 
 def _selected(key: str, patterns: list[str] | None) -> bool:
@@ -167,8 +181,8 @@ def norms_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None
                stat: str = "l2") -> NormsData:
     """A stored per-tensor statistic along the first-parent chain of `ref`; reads manifests only.
 
-    Raises InvalidArgumentError (unknown stat), NotFoundError (ref, or keys matching no tensor), PrunedError (`ref`
-    was pruned).
+    Raises InvalidArgumentError (unknown stat, keys that are no key path or glob), NotFoundError (ref, or keys
+    matching no tensor), PrunedError (`ref` was pruned).
     """
     store = _as_store(store)
     if stat not in STATS:
@@ -199,6 +213,7 @@ def norms(store: Store, ref: Any = "main", keys: str | Iterable[str] | None = No
     `log`: log y axis; by default when every value is positive and they span over a decade.
     Raises what `norms_data` raises, MissingDependencyError.
     """
+    max_keys = _count("max_keys", max_keys, 1)
     data = norms_data(store, ref, keys, stat=stat)
     fig = _figure()
     ax = fig.add_subplot()
@@ -255,7 +270,8 @@ class UpdateRatioData:
 def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None = None) -> UpdateRatioData:
     """The relative update of each tensor between consecutive versions of `ref`'s first-parent chain
     (a pruned version is skipped, so the ratio then spans it). Streams: reads only changed chunks,
-    one at a time. Raises NotFoundError (ref, or keys matching no tensor), PrunedError."""
+    one at a time. Raises NotFoundError (ref, or keys matching no tensor), PrunedError, InvalidArgumentError (keys
+    that are no key path or glob)."""
     store = _as_store(store)
     patterns = _patterns(keys)
     chain = _chain(store, ref)
@@ -363,13 +379,14 @@ def histograms_data(store: Store, ref: Any = "main", key: str = "", *, bins: int
     version that stored none (a view, a complex tensor) from its values, read once more. A complex tensor counts
     its real and imaginary parts, as its statistics do.
     Raises NotFoundError (ref, or no version has `key`), PrunedError (`ref` was pruned), InvalidArgumentError
-    (bins not in 1..MAX_BINS, max_versions < 2)."""
+    (bins not a whole number in 1..MAX_BINS, max_versions not one of 2 or more)."""
     store = _as_store(store)
-    if bins < 1 or bins > MAX_BINS:
+    bins = _count("bins", bins, 1)
+    if bins > MAX_BINS:
         raise InvalidArgumentError(f"bins must be 1 to {MAX_BINS}, not {bins} (a figure shows a few hundred at most; "
                                    f"{bins} took minutes and memory before drawing anything)")
-    if max_versions is not None and max_versions < 2:
-        raise InvalidArgumentError(f"max_versions must be at least 2 (or None for all), not {max_versions}")
+    if max_versions is not None:
+        max_versions = _count("max_versions", max_versions, 2)  # (None: every version)
     stats = store.history(key, ref)  # raises NotFoundError with close key names on a typo
     ids: list[str] = stats.column("version").to_pylist()
     if not ids:  # no live version in the chain: `ref` was pruned (an empty figure raised IndexError: a review)
@@ -473,7 +490,8 @@ class DiffData:
 
 
 def diff_data(store: Store, a: Any, b: Any, keys: str | Iterable[str] | None = None) -> DiffData:
-    """The numbers of `Store.diff(a, b)` per tensor. Raises NotFoundError, PrunedError."""
+    """The numbers of `Store.diff(a, b)` per tensor. Raises NotFoundError, PrunedError, InvalidArgumentError (keys
+    that are no key path or glob)."""
     store = _as_store(store)
     patterns = _patterns(keys)
     table = store.diff(a, b, keys=patterns)
@@ -574,8 +592,10 @@ def lineage_data(store: Store, refs: Any = None, *, population: Population | str
     member branch of `population` (a Population or its name) and their ancestors, or (both None) every
     version in the store. `metric`: a metrics name (default: the population's metric, else the first
     metric any version has; `metrics.NAME` is read as NAME). Raises NotFoundError (a ref; a metric no drawn
-    version has), InvalidArgumentError (both refs and population)."""
+    version has), InvalidArgumentError (both refs and population; a metric that is no str)."""
     store = _as_store(store)
+    if metric is not None and not isinstance(metric, str):
+        raise InvalidArgumentError(f"metric={metric!r}: give a metrics name such as 'loss' (or None)")
     asked = metric
     if refs is not None and population is not None:
         raise InvalidArgumentError("give lineage either refs or population, not both")

@@ -437,6 +437,26 @@ def test_plots_without_matplotlib_name_the_extra(trained: ds.Store, monkeypatch:
     assert plot.norms_data(trained, "main").values  # the numbers need no matplotlib
 
 
+def test_plot_arguments_of_the_wrong_kind_are_typed_errors(trained: ds.Store) -> None:
+    """keys=5, a list holding an int, bins=2.5, max_keys=0, metric=5 raised TypeError, ValueError or AttributeError
+    from list(), fnmatch, numpy or str methods."""
+    calls = {
+        "keys=5 is a int": lambda: plot.norms(trained, "main", 5),  # type: ignore[arg-type]
+        "keys holds 1;": lambda: plot.update_ratios_data(trained, "main", [1]),  # type: ignore[list-item]
+        "keys holds '';": lambda: plot.diff_data(trained, "main~1", "main", [""]),
+        "bins=2.5: give a whole number, 1 or more": lambda: plot.histograms_data(trained, "main", "model.0.weight",
+                                                                                   bins=2.5),  # type: ignore[arg-type]
+        "max_versions=1: give a whole number, 2 or more": lambda: plot.histograms(trained, "main", "model.0.weight",
+                                                                                  max_versions=1),
+        "max_keys=0": lambda: plot.norms(trained, "main", max_keys=0),
+        "metric=5": lambda: plot.lineage_data(trained, metric=5),  # type: ignore[arg-type]
+    }
+    for message, call in calls.items():
+        with pytest.raises(ds.InvalidArgumentError, match=message.replace("(", r"\(")):
+            call()
+    assert plot.histograms_data(trained, "main", "model.0.weight", bins=np.int64(3)).counts.shape[1] == 3
+
+
 def test_plot_refuses_what_is_not_a_store() -> None:
     with pytest.raises(ds.InvalidArgumentError, match="Store.open"):
         plot.norms("runs/store")  # type: ignore[arg-type]
