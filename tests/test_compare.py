@@ -142,6 +142,24 @@ def test_history_values_of_a_mistyped_key_raises_at_the_call(store: ds.Store) ->
             store.history("model.fc.wieght", values=values)
 
 
+def test_history_of_a_pruned_line_says_it_was_pruned(store: ds.Store) -> None:
+    """history(key, ref) of a ref pruned with every version before it returned an empty table (an empty listing,
+    exit 0, from `datastates history`), and values=True iterated nothing."""
+    from datastates.cli import main
+    from datastates.retention import KeepLatest, Retention
+
+    for i in range(3):
+        store.save({"w": torch.full((2,), float(i))}, step=i)
+    store.prune(Retention(KeepLatest(1)))
+    old = store.log("main")[-1]
+    assert old.pruned
+    for values in (False, True):
+        with pytest.raises(ds.PrunedError, match=f"version {old.short} was pruned"):
+            store.history("w", old.id, values=values)
+    assert store.history("w").column("step").to_pylist() == [2]  # the live head: its own row, the pruned left out
+    assert main(["--store", str(store.path), "history", "w", old.id]) == 1
+
+
 def test_a_change_to_or_from_nan_or_inf_is_unbounded_not_none(store: ds.Store) -> None:
     """diff counted every element that went to or from NaN or inf as unchanged: a diverged run read as identical
     (l2_change 0, cosine 1; a review). NaN staying NaN, and inf staying the same inf, are no change."""

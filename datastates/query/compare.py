@@ -255,9 +255,9 @@ def history_versions(store: Repository, ref: Any) -> list[Version]:
 def history(store: Repository, key: str, ref: Any = "main") -> pa.Table:
     """A tensor's stored statistics along the first-parent chain of `ref`, oldest first.
 
-    Reads manifests only, never tensor bytes. Versions without `key` are skipped.
+    Reads manifests only, never tensor bytes. Versions without `key` are skipped, pruned ones too.
     Raises NotFoundError naming close keys when no version of the chain has `key` (a typo
-    would otherwise read as an empty history).
+    would otherwise read as an empty history), PrunedError when every version of it was pruned.
     """
     rows, _ = history_page(store, key, ref)
     return rows
@@ -272,7 +272,8 @@ def history_page(store: Repository, key: str, ref: Any = "main", start: int = 0,
     versions are pruned between two calls. A page reads the manifests of its own versions and of the one before
     it (for `chunks_changed` and `l2_delta`), never the whole chain's: page k of a 6,000-version history costs
     what page 1 does. Raises NotFoundError as `history` does (when no version of the chain has `key`; checked
-    when `start` is 0), InvalidArgumentError for a `start` outside the chain."""
+    when `start` is 0; PrunedError when every version of it was pruned), InvalidArgumentError for a `start` outside
+    the chain."""
     store = as_repository(store)
     _check_key(key)
     head = store.resolve(ref)
@@ -306,6 +307,9 @@ def history_page(store: Repository, key: str, ref: Any = "main", start: int = 0,
         live = [v for v in (store.version(x) for x in chain) if not v.pruned]
         if live:
             raise _no_such_key(store, live, key, ref)
+        # Every version of the chain was pruned, `ref` too: an empty table read as "no history" (exit 0 at the
+        # command line). Its manifest is gone: PrunedError names it.
+        store.manifest_of(store.version(head))
     return pa.Table.from_pylist(rows, schema=HISTORY_SCHEMA), nxt
 
 
@@ -352,10 +356,12 @@ def _no_such_key(store: Repository, chain: list[Version], key: str, ref: Any) ->
 def history_values(store: Repository, key: str, ref: Any = "main") -> Iterator[tuple[Version, torch.Tensor]]:
     """(version, tensor) along the first-parent chain, loading one tensor at a time as it is iterated. Raises
     NotFoundError at the call, as `history` does, when no version of the chain has `key` (a typo iterated as
-    nothing)."""
+    nothing), PrunedError when every version of it was pruned."""
     store = as_repository(store)
     _check_key(key)
     chain = history_versions(store, ref)
+    if not chain:  # every version of the chain was pruned, `ref` too (it iterated as nothing): PrunedError
+        store.manifest_of(store.version(ref))
     having = [v for v in chain if key in store.manifest_of(v).index]
     if not having and chain:
         raise _no_such_key(store, chain, key, ref)
