@@ -154,6 +154,15 @@ def _no_keys(store: Store, ref: Any, patterns: list[str] | None, stat: str | Non
     return NotFoundError(f"no tensor of {ref!r} matches {patterns!r}; {hint}`datastates ls {ref}` lists its keys")
 
 
+def _every_pattern_matches(store: Store, ref: Any, patterns: list[str] | None, present: set[str]) -> None:
+    """NotFoundError for the patterns that select no key of the chain (`present`), also when others do: a typo in
+    one of them was dropped silently, and `datastates plot norms --keys w b` (REF after --keys, which takes every
+    word) drew main, reading the branch b as a key."""
+    missing = [p for p in patterns or [] if not any(_selected(k, [p]) for k in present)]
+    if missing:
+        raise _no_keys(store, ref, missing)
+
+
 def _short(key: str, width: int = 40) -> str:
     return key if len(key) <= width else "..." + key[-(width - 3):]
 
@@ -190,8 +199,10 @@ def norms_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None
     patterns = _patterns(keys)
     chain = _chain(store, ref)
     values: dict[str, np.ndarray] = {}
+    present: set[str] = set()
     for i, v in enumerate(chain):
         for info in store.manifest_of(v).info():
+            present.add(info.key)
             if info.kind == "view" or not _selected(info.key, patterns):
                 continue
             s = info.stats.get(stat)
@@ -200,6 +211,7 @@ def norms_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None
             if info.key not in values:
                 values[info.key] = np.full(len(chain), np.nan)
             values[info.key][i] = float(s)
+    _every_pattern_matches(store, ref, patterns, present)
     if not values:
         raise _no_keys(store, ref, patterns, stat)
     return NormsData(stat, [v.id for v in chain], _x_of(chain), values, all(v.step is not None for v in chain))
@@ -277,12 +289,14 @@ def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str
     chain = _chain(store, ref)
     cols: list[dict[str, float]] = []
     chunks_read = 0
+    present: set[str] = set()
     for prev, cur in zip(chain, chain[1:]):
         # Only the selected keys are compared: the whole diff read every changed chunk of every tensor, so the ratios
         # of one small layer cost reading the whole model's changes (and chunks_read left those reads out).
         wanted = None if patterns is None else sorted(
             {r["key"] for v in (prev, cur) for r in store.manifest_of(v).rows
              if r["kind"] != "storage" and _selected(r["key"], patterns)})
+        present.update(wanted or ())
         if wanted == []:
             cols.append({})
             continue
@@ -298,6 +312,8 @@ def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str
             if row["chunks_total"] is not None:
                 chunks_read += row["chunks_total"] - row["chunks_shared"]
         cols.append(col)
+    if len(chain) >= 2:
+        _every_pattern_matches(store, ref, patterns, present)
     names = sorted({k for c in cols for k in c})
     if not names:
         if len(chain) < 2:

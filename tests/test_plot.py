@@ -131,6 +131,28 @@ def test_norms_of_keys_without_the_stat_say_so(tmp_path: Path) -> None:
             plot.norms(s, "main", "zz")
 
 
+def test_a_key_pattern_matching_nothing_is_refused_when_others_match(tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A pattern that matched nothing was dropped silently when another matched: `datastates plot norms --keys w b`
+    (the branch after --keys, which takes every word) drew main's norms of w, reading b as a key."""
+    from datastates.cli import main
+
+    with ds.Store.open(tmp_path / "s") as s:
+        for i in range(2):
+            s.save({"w": torch.full((2,), i + 1.0), "v": torch.ones(2)}, step=i)
+        s.branch("b", at="main")
+        for call in (plot.norms_data, plot.update_ratios_data):
+            with pytest.raises(ds.NotFoundError, match=r"no tensor of 'main' matches \['b'\]"):
+                call(s, "main", ["w", "b"])
+            assert set(call(s, "main", ["w", "v*"]).keys if call is plot.update_ratios_data
+                       else call(s, "main", ["w", "v*"]).values) == {"w", "v"}
+    out = tmp_path / "n.png"
+    for kind in ("norms", "update-ratios"):
+        assert main(["--store", str(tmp_path / "s"), "plot", kind, "--keys", "w", "b", "-o", str(out)]) == 1
+        assert "no tensor of 'main' matches ['b']" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_update_ratios_are_the_relative_change_of_the_saved_tensors(trained: ds.Store) -> None:
     data = plot.update_ratios_data(trained, "main")
     assert data.keys == sorted(KEYS)
