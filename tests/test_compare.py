@@ -160,6 +160,23 @@ def test_history_of_a_pruned_line_says_it_was_pruned(store: ds.Store) -> None:
     assert main(["--store", str(store.path), "history", "w", old.id]) == 1
 
 
+def test_history_and_ls_at_the_command_line_show_nan_and_inf_counts(store: ds.Store,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """The statistics are of the finite values: `datastates history` and `ls` showed a diverged [1, nan, inf] as l2 1,
+    min 1, max 1, as a healthy tensor (the counts were in the Python table only)."""
+    from datastates.cli import main
+
+    nan, inf = float("nan"), float("inf")
+    store.save({"x": torch.tensor([1.0, 2.0, 2.0])}, step=0)
+    store.save({"x": torch.tensor([1.0, nan, inf])}, step=1)
+    store.save({"x": torch.tensor([nan, nan, -inf])}, step=2)
+    assert main(["--store", str(store.path), "history", "x"]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [r.rsplit("  (", 1)[1] if "  (" in r else "" for r in rows] == ["", "1 NaN, 1 inf)", "2 NaN, 1 inf)"]
+    assert main(["--store", str(store.path), "ls", "main~1"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].endswith("  (1 NaN, 1 inf)")
+
+
 def test_a_change_to_or_from_nan_or_inf_is_unbounded_not_none(store: ds.Store) -> None:
     """diff counted every element that went to or from NaN or inf as unchanged: a diverged run read as identical
     (l2_change 0, cosine 1; a review). NaN staying NaN, and inf staying the same inf, are no change."""

@@ -93,9 +93,17 @@ def _ls(store: Store, args: argparse.Namespace) -> int:
     for i in infos:
         l2 = i.stats.get("l2")
         print(f"{i.key:<{width}}  {i.dtype:<14} {str(list(i.shape)):<20} {human_bytes(i.nbytes):>10}  "
-              f"{'' if l2 is None else f'{l2:.4g}':>10}{'' if i.kind == 'tensor' else '  (' + i.kind + ')'}")
+              f"{'' if l2 is None else f'{l2:.4g}':>10}{'' if i.kind == 'tensor' else '  (' + i.kind + ')'}"
+              f"{nonfinite(i.stats)}")
     _note_ranks(store, args.ref)
     return 0
+
+
+def nonfinite(stats: dict[str, Any]) -> str:
+    """'  (2 NaN, 1 inf)' for statistics that counted NaN or infinite values, else ''. The statistics are of the
+    finite values: without it a diverged tensor ([1, nan, inf]) showed l2 1, min 1, max 1, as a healthy one."""
+    parts = [f"{n} {name}" for name, n in (("NaN", stats.get("nan_count")), ("inf", stats.get("inf_count"))) if n]
+    return f"  ({', '.join(parts)})" if parts else ""
 
 
 def _du(store: Store, args: argparse.Namespace) -> int:
@@ -166,5 +174,5 @@ def _history(store: Store, args: argparse.Namespace) -> int:
     print(f"{'version':<12}  {'step':>6} {'l2':>10} {'mean':>10} {'std':>10} {'min':>10} {'max':>10} {'changed':>8}")
     for r in rows:
         print(f"{r['version'][:12]}  {fmt(r['step'], 6)} {fmt(r['l2'])} {fmt(r['mean'])} {fmt(r['std'])} "
-              f"{fmt(r['min'])} {fmt(r['max'])} {fmt(r['chunks_changed'], 8)}")
+              f"{fmt(r['min'])} {fmt(r['max'])} {fmt(r['chunks_changed'], 8)}{nonfinite(r)}")
     return 0
