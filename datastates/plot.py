@@ -184,6 +184,8 @@ class NormsData:
     """Key -> the stat per version, aligned with `versions`."""
     has_steps: bool = True
     """Whether `x` holds steps (else positions)."""
+    nonfinite: dict[str, np.ndarray] = field(default_factory=dict)
+    """Key -> per version, whether the tensor held NaN or infinite values (its statistics are of the finite ones)."""
 
 
 def norms_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None = None, *,
@@ -199,6 +201,7 @@ def norms_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None
     patterns = _patterns(keys)
     chain = _chain(store, ref)
     values: dict[str, np.ndarray] = {}
+    nonfinite: dict[str, np.ndarray] = {}
     present: set[str] = set()
     for i, v in enumerate(chain):
         for info in store.manifest_of(v).info():
@@ -210,11 +213,14 @@ def norms_data(store: Store, ref: Any = "main", keys: str | Iterable[str] | None
                 continue
             if info.key not in values:
                 values[info.key] = np.full(len(chain), np.nan)
+                nonfinite[info.key] = np.zeros(len(chain), dtype=bool)
             values[info.key][i] = float(s)
+            nonfinite[info.key][i] = bool(info.stats.get("nan_count") or info.stats.get("inf_count"))
     _every_pattern_matches(store, ref, patterns, present)
     if not values:
         raise _no_keys(store, ref, patterns, stat)
-    return NormsData(stat, [v.id for v in chain], _x_of(chain), values, all(v.step is not None for v in chain))
+    return NormsData(stat, [v.id for v in chain], _x_of(chain), values, all(v.step is not None for v in chain),
+                     nonfinite)
 
 
 def norms(store: Store, ref: Any = "main", keys: str | Iterable[str] | None = None, *, stat: str = "l2",
@@ -230,8 +236,15 @@ def norms(store: Store, ref: Any = "main", keys: str | Iterable[str] | None = No
     fig = _figure()
     ax = fig.add_subplot()
     ranked = sorted(data.values, key=lambda k: -_last(data.values[k]))[:max_keys]
+    diverged = 0
     for key in sorted(ranked):
         ax.plot(data.x, data.values[key], marker="." if len(data.x) < 60 else None, label=_short(key))
+        # The stats are of the finite values: a tensor gone NaN drew an unremarkable line (a review). Mark it.
+        bad = data.nonfinite.get(key, np.zeros(0, dtype=bool))
+        if bad.any():
+            diverged += 1
+            ax.scatter(data.x[bad], data.values[key][bad], marker="x", s=40, c="red", zorder=3, gid=f"nonfinite:{key}",
+                       label="holds NaN/inf (stats of the finite values)" if diverged == 1 else None)
     every = np.concatenate([data.values[k] for k in ranked])
     finite = every[np.isfinite(every)]
     if log is None:

@@ -78,6 +78,22 @@ def test_norms_plots_the_stored_l2_of_each_tensor_against_step(trained: ds.Store
     assert _png(fig)[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_norms_mark_versions_whose_tensor_held_nan_or_inf(tmp_path: Path) -> None:
+    """The norms are of the finite values: a tensor gone NaN drew an unremarkable line (l2 of what was left)."""
+    nan = float("nan")
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"w": torch.tensor([3.0, 4.0]), "v": torch.ones(2)}, step=0)
+        s.save({"w": torch.tensor([3.0, nan]), "v": torch.ones(2)}, step=1)
+        s.save({"w": torch.tensor([float("inf"), 4.0]), "v": torch.ones(2)}, step=2)
+        data = plot.norms_data(s, "main")
+        assert data.values["w"].tolist() == [5.0, 3.0, 4.0]
+        assert data.nonfinite["w"].tolist() == [False, True, True] and not data.nonfinite["v"].any()
+        fig = plot.norms(s, "main")
+    marks = {c.get_gid(): c.get_offsets().tolist() for c in fig.axes[0].collections}
+    assert marks == {"nonfinite:w": [[1.0, 3.0], [2.0, 4.0]]}
+    assert "holds NaN/inf (stats of the finite values)" in [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
 def test_norms_selects_keys_by_glob_and_other_stats(trained: ds.Store) -> None:
     data = plot.norms_data(trained, "ft", "model.*.bias", stat="mean")
     assert sorted(data.values) == ["model.0.bias", "model.2.bias"]
