@@ -304,16 +304,10 @@ def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str
     chunks_read = 0
     present: set[str] = set()
     for prev, cur in zip(chain, chain[1:]):
-        # Only the selected keys are compared: the whole diff read every changed chunk of every tensor, so the ratios
-        # of one small layer cost reading the whole model's changes (and chunks_read left those reads out).
-        wanted = None if patterns is None else sorted(
-            {r["key"] for v in (prev, cur) for r in store.manifest_of(v).rows
-             if r["kind"] != "storage" and _selected(r["key"], patterns)})
-        present.update(wanted or ())
-        if wanted == []:
+        table = _pair_diff(store, prev, cur, patterns, present)
+        if table is None:
             cols.append({})
             continue
-        table = _diff(store.repo, prev.id, cur.id, wanted)
         col: dict[str, float] = {}
         for row in table.to_pylist():
             if row["key"] is None or not _selected(row["key"], patterns) or row["status"] not in ("same", "changed"):
@@ -340,6 +334,27 @@ def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str
                 ratios[i, j] = c[k]
     has_steps = all(v.step is not None for v in chain)
     return UpdateRatioData(names, [v.id for v in chain[1:]], _x_of(chain)[1:], ratios, chunks_read, has_steps)
+
+
+def _pair_diff(store: Store, prev: Version, cur: Version, patterns: list[str] | None, present: set[str]) -> Any:
+    """`diff` of two consecutive versions for the keys `patterns` select (all without), None when they select none
+    of either version; the keys selected are added to `present`. Only the selected keys are compared: the whole diff
+    read every changed chunk of every tensor, so the ratios of one small layer cost reading the whole model's
+    changes. The patterns that select something here go to diff, never the keys they select: diff checks each key
+    it is given against every row (thousands of keys made that quadratic)."""
+    if patterns is None:
+        return _diff(store.repo, prev.id, cur.id)
+    here = {r["key"] for v in (prev, cur) for r in store.manifest_of(v).rows if r["kind"] != "storage"}
+    selected = {k for k in here if _selected(k, patterns)}
+    present.update(selected)
+    if not selected:
+        return None
+    live = [p for p in patterns if any(_selected(k, [p]) for k in selected)]
+    try:
+        # A prefix may end in '.' here ('model.'); diff reads a prefix without it (its rows are filtered below).
+        return _diff(store.repo, prev.id, cur.id, [p.rstrip(".") or p for p in live])
+    except NotFoundError:  # a pattern diff reads otherwise (a glob ending in '.'): compare every key
+        return _diff(store.repo, prev.id, cur.id)
 
 
 def update_ratios(store: Store, ref: Any = "main", keys: str | Iterable[str] | None = None, *,
