@@ -326,6 +326,14 @@ def update_ratios_data(store: Store, ref: Any = "main", keys: str | Iterable[str
         if len(chain) < 2:
             raise NotFoundError(f"{ref!r} has {len(chain)} version(s) in its first-parent chain; an update "
                                 "ratio needs two: save another version first")
+        if present:  # (said no tensor matched, offering the same key as the close match)
+            first = sorted(present)[0]
+            named = ", ".join(sorted(present)[:5]) + (" ..." if len(present) > 5 else "")
+            raise NotFoundError(
+                f"{named}: never in two consecutive versions of {ref!r} with one dtype and shape (added, removed or "
+                "reshaped), and an update ratio compares a version with the one before it; "
+                f"`datastates history {shlex.quote(first)} {shlex.quote(str(ref))}` "
+                "shows each version's")
         raise _no_keys(store, ref, patterns)
     ratios = np.full((len(names), len(cols)), np.nan)
     for j, c in enumerate(cols):
@@ -343,7 +351,9 @@ def _pair_diff(store: Store, prev: Version, cur: Version, patterns: list[str] | 
     changes. The patterns that select something here go to diff, never the keys they select: diff checks each key
     it is given against every row (thousands of keys made that quadratic)."""
     if patterns is None:
-        return _diff(store.repo, prev.id, cur.id)
+        table = _diff(store.repo, prev.id, cur.id)
+        present.update(k for k in table.column("key").to_pylist() if k is not None)
+        return table
     here = {r["key"] for v in (prev, cur) for r in store.manifest_of(v).rows if r["kind"] != "storage"}
     selected = {k for k in here if _selected(k, patterns)}
     present.update(selected)

@@ -227,6 +227,20 @@ def test_update_ratios_of_a_glob_over_many_keys_match_each_key_a_bounded_number_
             assert calls[0] < 20 * n, keys  # a few per key, not one per key and row
 
 
+def test_update_ratios_of_a_tensor_never_in_two_versions_alike_say_so(tmp_path: Path) -> None:
+    """A key added in the last version, or reshaped at every one, has no update ratio; the error said no tensor
+    matched it and offered the key itself as the close match."""
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"w": torch.ones(2)}, step=0)
+        s.save({"w": torch.ones(2), "new": torch.ones(3)}, step=1)
+        s.save({"r": torch.ones(2)}, branch="x", step=0)
+        s.save({"r": torch.ones(3)}, branch="x", step=1)
+        for ref, keys, named in (("main", "new", "new"), ("x", "r", "r"), ("x", None, "r")):
+            with pytest.raises(ds.NotFoundError, match=f"^{named}: never in two consecutive versions of '{ref}' with "
+                               f"one dtype and shape .*`datastates history {named} {ref}` shows each version's$"):
+                plot.update_ratios_data(s, ref, keys)
+
+
 def test_update_ratios_heatmap_holds_log10_of_the_ratios(trained: ds.Store) -> None:
     data = plot.update_ratios_data(trained, "main")
     fig = plot.update_ratios(trained, "main")
