@@ -571,3 +571,28 @@ def test_the_command_lines_hot_tier_is_for_that_command_only(tmp_path: Path) -> 
     assert (cold / "config.toml").read_bytes() == config
     with ds.Store.open(cold) as s:  # the store's own hot tier, as before
         assert s.resolve("main") == later.id
+
+
+def test_a_hot_tier_of_another_store_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """`--hot` naming another store's hot tier was accepted: a read showed that store's versions as this one's
+    and a refresh wrote this store's refs and catalog entries into it (B then listed A's branch and fsck said NOT
+    OK; a hunt). The hot tier records the store it serves; another store's is refused, nothing written."""
+    a = ds.Store.open(tmp_path / "A", hot=tmp_path / "Ah")
+    a.save(_state(1), branch="a")
+    a.close()
+    b = ds.Store.open(tmp_path / "B", hot=tmp_path / "Bh")
+    b.save(_state(2), branch="b")
+    b.close()
+    before = sorted((p, p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "Bh").rglob("*")
+                    if p.name != "lock.mdb")
+    with pytest.raises(ds.InvalidArgumentError, match="belongs to another store"):
+        ds.Store.open(tmp_path / "A", hot=tmp_path / "Bh", record_tiers=False)
+    r = subprocess.run([sys.executable, "-m", "datastates", "--store", str(tmp_path / "A"), "--hot",
+                        str(tmp_path / "Bh"), "log"], capture_output=True, text=True)
+    assert r.returncode == 1 and "belongs to another store" in r.stderr and "Traceback" not in r.stderr
+    assert sorted((p, p.stat().st_size, p.stat().st_mtime_ns) for p in (tmp_path / "Bh").rglob("*")
+                  if p.name != "lock.mdb") == before
+    with ds.Store.open(tmp_path / "B", hot=tmp_path / "Bh") as again:
+        assert again.branches().keys() == {"b"} and again.fsck().ok
+    with ds.Store.open(tmp_path / "A") as own:  # its config.toml names its own hot tier
+        assert own.branches().keys() == {"a"}

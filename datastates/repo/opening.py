@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
+from datetime import datetime, timezone
 from pathlib import Path
 
 from ..base import config as tier_config
@@ -117,6 +118,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         cold_ok = True
     except OSError:
         cold_info, cold_ok = None, False
+    _check_hot_of(hot_info, cold_info, cfg.hot or "", root)
     if cold_info is None and hot_info is not None and cold_ok:
         # The hot tier holds a store and the shared one has none: the file system is not mounted (an empty mount
         # point, or no directory at all). Never made a new cold tier there: its flushes would mark versions as on
@@ -162,6 +164,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         pass  # nothing is written: no role mark, no settings
     elif cold_ok and cold_info is None:
         _creating(cold_tier, settings | {"tier": "cold"}, "store")
+        cold_info = cold_tier.read_format()
     elif cold_ok and cold_info is not None and cold_info.get("tier") != "cold" and (record_tiers or saved is not None):
         # Not for a one-tier store read through a hot tier for this open only (record_tiers=False, no config.toml:
         # the CLI's --hot): the mark without config.toml made every later plain open of it fail.
@@ -170,7 +173,10 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
         except OSError as exc:  # a read-only mount: the store opens as before, unmarked
             log.warning("could not record the cold role in %s/FORMAT (%s)", root, exc)
     if hot_info is None:
-        _creating(hot_tier, settings, "hot tier")
+        # The hot tier records which store it serves (its cold tier's creation time), so that a --hot naming
+        # another store's hot tier is refused (`_check_hot_of`) instead of mixing the two stores' refs and catalog.
+        made_for = {"cold": cold_info["created"]} if cold_info is not None and "created" in cold_info else {}
+        _creating(hot_tier, settings | made_for, "hot tier")
     if cold_ok and record_tiers and not read_only and shared_closed is None and (saved is None or saved != cfg):
         tier_config.save(root, cfg)
     size = int(settings["chunk_size"])
@@ -183,6 +189,29 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     repo.shared_closed = shared_closed
     rebuild = not had_catalog and any(next(t.iter_ids("versions", "json"), None) for t in repo.tiers)
     return repo, rebuild, cold_ok
+
+
+def _check_hot_of(hot_info: dict[str, object] | None, cold_info: dict[str, object] | None, hot: str,
+                  root: Path) -> None:
+    """InvalidArgumentError, before anything is written, when the hot tier was made for another store than the one
+    at `root` (its FORMAT's "cold" is another cold tier's "created"): opened so (`--hot` naming another store's hot
+    tier), a read showed that store's versions as this one's and a refresh wrote this store's refs and catalog
+    entries into it (a hunt). Hot tiers made before the mark, and a cold tier that is not there, are not checked."""
+    made_for = (hot_info or {}).get("cold")
+    if made_for is None or cold_info is None or made_for == cold_info.get("created"):
+        return
+    raise InvalidArgumentError(
+        f"hot tier {hot} belongs to another store: it was made for the store created at {_when(made_for)}, and "
+        f"{root} was created at {_when(cold_info.get('created'))}. Give {root}'s own hot tier (its config.toml "
+        "names it; leave --hot out) or a new empty directory; nothing was written")
+
+
+def _when(created: object) -> str:
+    """A FORMAT's "created" (seconds since the epoch) as an ISO time, or as it is."""
+    try:
+        return datetime.fromtimestamp(float(created), timezone.utc).isoformat(timespec="milliseconds")  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError, OSError):
+        return repr(created)
 
 
 def _unwritable(catalog: Path, root: Path) -> Path | None:
