@@ -39,7 +39,7 @@ def with_store(text: str, store: str | None, hot: str | None = None) -> str:
         except ValueError:
             argv = words
         named = _value(argv, "--store")
-        if named is not None and named != store:  # a store of its own
+        if named is not None and not _same_path(named, store):  # a store of its own
             return m.group(0)
         options = ""
         if add_store and named is None:
@@ -50,6 +50,12 @@ def with_store(text: str, store: str | None, hot: str | None = None) -> str:
         return "`datastates" + options + m.group(0)[len("`datastates"):]
 
     return _HINT.sub(put, text)
+
+
+def _same_path(a: str, b: str | None) -> bool:
+    """Whether two spellings of a store path name one directory (`./s1/` and `s1`: a Store's hints carry its
+    normalised path, the command line what was typed)."""
+    return b is not None and os.path.normpath(os.path.abspath(a)) == os.path.normpath(os.path.abspath(b))
 
 
 def _value(argv: list[str], name: str) -> str | None:

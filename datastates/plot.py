@@ -21,12 +21,12 @@ MissingDependencyError (the `*_data` functions still work).
 from __future__ import annotations
 
 import difflib
-import fnmatch
 import math
 import operator
 import shlex
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,8 +34,8 @@ import torch
 
 from .errors import InvalidArgumentError, MissingDependencyError, NotFoundError
 from .meta.versions import shown
+from .query.compare import KeyPatterns, history_versions
 from .query.compare import diff as _diff
-from .query.compare import history_versions
 from .save.tree import key_patterns
 from .store import Store
 
@@ -108,9 +108,22 @@ def _count(name: str, value: Any, least: int) -> int:
 
 def _selected(key: str, patterns: list[str] | None) -> bool:
     """A key is selected by an exact name, a glob, or a prefix ending at a '.' (as `load(keys=)`)."""
-    if patterns is None:
-        return True
-    return any(key == p or fnmatch.fnmatchcase(key, p) or key.startswith(p.rstrip(".") + ".") for p in patterns)
+    return patterns is None or _matcher(tuple(patterns)).selects(key)
+
+
+@lru_cache(maxsize=8)
+def _matcher(patterns: tuple[str, ...]) -> KeyPatterns:
+    """One `KeyPatterns` per pattern list (a figure asks of every key of every version with the same list)."""
+    return KeyPatterns(patterns, strip_dot=True)
+
+
+def _matched(patterns: list[str], keys: Iterable[str]) -> set[str]:
+    """The patterns that select at least one of `keys`, in one pass over the keys."""
+    m = _matcher(tuple(patterns))
+    out: set[str] = set()
+    for k in keys:
+        out.update(m.matching(k))
+    return out
 
 
 def _chain(store: Store, ref: Any) -> list[Version]:
@@ -156,9 +169,10 @@ def _no_keys(store: Store, ref: Any, patterns: list[str] | None, stat: str | Non
 
 def _every_pattern_matches(store: Store, ref: Any, patterns: list[str] | None, present: set[str]) -> None:
     """NotFoundError for the patterns that select no key of the chain (`present`), also when others do: a typo in
-    one of them was dropped silently, and `datastates plot norms --keys w b` (REF after --keys, which takes every
-    word) drew main, reading the branch b as a key."""
-    missing = [p for p in patterns or [] if not any(_selected(k, [p]) for k in present)]
+    one of them was dropped silently, and the command line `plot norms --keys w b` (REF after --keys, which takes
+    every word) drew main, reading the branch b as a key."""
+    matched = _matched(patterns or [], present)
+    missing = [p for p in patterns or [] if p not in matched]
     if missing:
         raise _no_keys(store, ref, missing)
 
@@ -359,7 +373,8 @@ def _pair_diff(store: Store, prev: Version, cur: Version, patterns: list[str] | 
     present.update(selected)
     if not selected:
         return None
-    live = [p for p in patterns if any(_selected(k, [p]) for k in selected)]
+    matched = _matched(patterns, selected)
+    live = [p for p in patterns if p in matched]
     try:
         # A prefix may end in '.' here ('model.'); diff reads a prefix without it (its rows are filtered below).
         return _diff(store.repo, prev.id, cur.id, [p.rstrip(".") or p for p in live])
@@ -646,7 +661,8 @@ def lineage_data(store: Store, refs: Any = None, *, population: Population | str
     member branch of `population` (a Population or its name) and their ancestors, or (both None) every
     version in the store. `metric`: a metrics name (default: the population's metric, else the first
     metric any version has; `metrics.NAME` is read as NAME). Raises NotFoundError (a ref; a metric no drawn
-    version has), InvalidArgumentError (both refs and population; a metric that is no str)."""
+    version has), InvalidArgumentError (both refs and population; a metric that is no str; a population that is
+    neither a Population nor a str)."""
     store = _as_store(store)
     if metric is not None and not isinstance(metric, str):
         raise InvalidArgumentError(f"metric={metric!r}: give a metrics name such as 'loss' (or None)")
@@ -655,6 +671,8 @@ def lineage_data(store: Store, refs: Any = None, *, population: Population | str
         raise InvalidArgumentError("give lineage either refs or population, not both")
     table = store.versions_table()
     all_ids: list[str] = table.column("id").to_pylist()
+    if population is not None and not isinstance(population, str) and not hasattr(population, "name"):
+        raise InvalidArgumentError(f"population={population!r}: give a Population or its name (or None)")
     if population is not None:
         name = population if isinstance(population, str) else population.name
         # The population's own metric may be in no version yet (scores come later, or as annotations): it

@@ -435,6 +435,25 @@ def test_a_reading_command_with_hot_leaves_a_one_tier_store_as_it_was(
     assert rc == 0 and vs[-1].short in out, err
 
 
+def test_a_writing_command_with_hot_on_a_one_tier_store_is_refused_and_changes_nothing(
+        made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A write through --hot on a one-tier store went to that hot tier's catalog, which the store's own never
+    sees: `import --hot` then left a branch naming a version its catalog lacked, and fsck said NOT OK (a review).
+    Such an open may read, not write: ReadOnlyStoreError, exit 1, nothing changed."""
+    from helpers.states import snapshot
+
+    path, vs = made
+    torch.save({"w": torch.zeros(2)}, tmp_path / "ck.pt")
+    before = snapshot(path)
+    for argv in (["import", str(tmp_path / "ck.pt"), "--branch", "imp"], ["tag", "t", "main"],
+                 ["prune", "--keep-latest", "1"]):
+        rc, _, err = run(capsys, "--store", str(path), "--hot", str(tmp_path / "mine"), *argv)
+        assert rc == 1 and "ReadOnlyStoreError" in err and "Leave --hot out" in err, (argv, err)
+    assert snapshot(path) == before
+    with ds.Store.open(path) as s:
+        assert "imp" not in s.branches() and s.tags() == {} and s.fsck().ok
+
+
 def test_plot_takes_store_and_debug_after_its_kind(made: tuple[Path, list[ds.Version]],
                                                    capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """Every command takes --store after its name (`datastates log --store PATH`); `datastates plot lineage
@@ -465,7 +484,7 @@ def test_log_shows_a_message_of_several_lines_on_its_own_row(tmp_path: Path,
     assert [r["message"] for r in json.loads(out)] == [v2.message, v1.message]
 
 
-@pytest.mark.parametrize("count", ["9" * 5000, "0" * 5000 + "1", "9" * 19])
+@pytest.mark.parametrize("count", ["9" * 5000, "0" * 5000 + "3", "9" * 19])
 def test_a_ref_with_a_count_of_thousands_of_digits_goes_past_the_root(
         made: tuple[Path, list[ds.Version]], capsys: pytest.CaptureFixture[str], count: str) -> None:
     """`main~<5000 digits>` ended in ValueError's traceback (int() refuses over 4300 digits)."""
@@ -475,6 +494,8 @@ def test_a_ref_with_a_count_of_thousands_of_digits_goes_past_the_root(
     with ds.Store.open(path) as s:  # the short forms read as before
         assert [s.resolve(r) for r in ("main~0", "main~", "main~1~1", "main~^", "main~002")] == [
             vs[2].id, vs[1].id, vs[0].id, vs[0].id, vs[0].id]
+        # Leading zeros count for nothing, however many (a count of 19 characters was read as past the root).
+        assert s.resolve("main~" + "0" * 20) == vs[2].id and s.resolve("main~" + "0" * 5000 + "1") == vs[1].id
 
 
 def test_a_hint_keeps_the_commands_hot_tier_and_a_store_named_like_an_option(
@@ -505,3 +526,15 @@ def test_a_hint_keeps_the_commands_hot_tier_and_a_store_named_like_an_option(
     assert rc == 1 and hints and all(h.startswith("datastates --store=-runs ") for h in hints), err
     for hint in hints:
         assert run(capsys, *shlex.split(hint)[1:])[0] == 0, hint
+
+
+def test_a_hint_naming_the_store_as_typed_otherwise_still_gets_the_hot_tier(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Store's hints carry its normalised path (`--store s1`); the command line had `--store ./s1/`: the two
+    spellings were taken for two stores, and the hint lost the command's --hot (a review)."""
+    from datastates.errors import with_store
+
+    monkeypatch.delenv("DATASTATES_STORE", raising=False)
+    assert with_store("see `datastates --store s1 ls main`", "./s1/", "h1") == \
+        "see `datastates --hot h1 --store s1 ls main`"
+    assert with_store("see `datastates --store other ls main`", "./s1/", "h1") == \
+        "see `datastates --store other ls main`"

@@ -597,3 +597,16 @@ def test_a_chunk_size_no_save_could_use_is_refused_at_open(tmp_path: Path, size:
     with pytest.raises(ds.InvalidArgumentError, match="chunk_size .* from 64 B to 1 GiB"):
         ds.Store.open(tmp_path / "s", chunk_size=size)
     assert not (tmp_path / "s").exists()
+
+
+def test_a_store_made_with_chunks_over_the_bound_still_opens(tmp_path: Path) -> None:
+    """The 1 GiB bound is for a chunk_size given to a new open: a store whose FORMAT says 2 GiB (made before the
+    bound) was refused at every open, its data out of reach, and a refused open with hot= still wrote config.toml
+    and marks (a review). It opens as it did."""
+    from datastates.objects.tier import Tier
+
+    tier = Tier(tmp_path / "s")
+    tier.create({"chunk_size": 2 << 30})
+    with ds.Store.open(tmp_path / "s") as s:
+        assert s.chunk_size == 2 << 30
+        assert s.load(s.save({"w": torch.ones(3)})).get("w").tolist() == [1.0, 1.0, 1.0]

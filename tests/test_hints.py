@@ -83,7 +83,8 @@ def _placeholders(store: Path, kind: str, template: str, tmp: Path) -> dict[str,
                 s.branch("scratch", at="main", force=True)
     return {"name": "scratch" if deletes else "main", "ref": "main", "v.short": short, "va.short": short,
             "new[:12]": short, "head[:12]": short, "there[:12]": short, "kind": kind, "kind_name[0]": kind,
-            "root": str(tmp / "fresh")}
+            "root": str(tmp / "fresh"), "shlex.quote(held[0])": "model.w", "shlex.quote(at)": "main",
+            "shlex.quote(first)": "model.w", "shlex.quote(str(ref))": "main"}
 
 
 def _expand(template: str) -> list[tuple[str, str]]:

@@ -227,6 +227,28 @@ def test_update_ratios_of_a_glob_over_many_keys_match_each_key_a_bounded_number_
             assert calls[0] < 20 * n, keys  # a few per key, not one per key and row
 
 
+def test_update_ratios_and_diff_of_many_exact_keys_match_each_key_a_bounded_number_of_times(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An explicit list of thousands of keys was checked pattern by pattern against every key: 2,000 keys took 19 s
+    where the base took 1.9 (a review). Exact keys are looked up; no fnmatch runs for them."""
+    import fnmatch
+
+    n = 300
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"model": {f"k{i}": torch.ones(2) for i in range(n)}}, step=0)
+        s.save({"model": {f"k{i}": torch.full((2,), 2.0) for i in range(n)}}, step=1)
+        calls = [0]
+        real = fnmatch.fnmatchcase
+        monkeypatch.setattr(fnmatch, "fnmatchcase", lambda *a: calls.__setitem__(0, calls[0] + 1) or real(*a))
+        keys = [f"model.k{i}" for i in range(n)]
+        data = plot.update_ratios_data(s, "main", keys)
+        assert sorted(data.keys) == sorted(keys) and data.ratios.tolist() == [[1.0]] * n
+        assert len(s.diff("main~1", "main", keys=keys)) == n and len(plot.norms_data(s, "main", keys).values) == n
+        assert calls[0] == 0
+        with pytest.raises(ds.NotFoundError, match="model.k9999"):
+            s.diff("main~1", "main", keys=[*keys, "model.k9999"])
+
+
 def test_update_ratios_of_a_tensor_never_in_two_versions_alike_say_so(tmp_path: Path) -> None:
     """A key added in the last version, or reshaped at every one, has no update ratio; the error said no tensor
     matched it and offered the key itself as the close match."""
@@ -566,3 +588,11 @@ def test_cli_plot_refuses_a_dpi_whose_image_does_not_fit(trained: ds.Store, tmp_
     assert main(["--store", str(trained.path), "plot", "norms", "--dpi", "100000", "-o", str(out)]) == 1
     assert "--dpi 100000: the image would be 800,000 x 450,000 pixels" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_lineage_refuses_a_population_of_the_wrong_kind(tmp_path: Path) -> None:
+    """population=5 raised AttributeError from inside (a review): InvalidArgumentError naming it."""
+    with ds.Store.open(tmp_path / "s") as s:
+        s.save({"w": torch.ones(2)})
+        with pytest.raises(ds.InvalidArgumentError, match="population=5"):
+            plot.lineage_data(s, population=5)  # type: ignore[arg-type]

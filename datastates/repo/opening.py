@@ -84,7 +84,7 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
                 "missing: opened alone it would get a catalog and locks of its own on the shared tier. Open it with "
                 "its hot tier once, in Python: Store.open(path, hot=HOT_DIR), which writes config.toml again")
         size = int(chunk_size or info.get("chunk_size", DEFAULT_CHUNK_SIZE))  # type: ignore[call-overload]
-        check_chunk_size(size)
+        check_chunk_size(size, given=False)  # (a given one was checked above)
         had_catalog = (root / "catalog" / "data.mdb").exists()
         catalog = Catalog(root / "catalog", read_only=read_only, unwritable=_unwritable(root / "catalog", root))
         repo = Repository(ObjectStore(tier, None, catalog, verify=verify, read_only=catalog.read_only), catalog,
@@ -180,13 +180,21 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
     if cold_ok and record_tiers and not read_only and shared_closed is None and (saved is None or saved != cfg):
         tier_config.save(root, cfg)
     size = int(settings["chunk_size"])
-    check_chunk_size(size)
+    check_chunk_size(size, given=False)
     had_catalog = (hot_tier.root / "catalog" / "data.mdb").exists()
     catalog = Catalog(hot_tier.root / "catalog", read_only=read_only, unwritable=unwritable)
     objects = ObjectStore(hot_tier, cold_tier, catalog, verify=verify, promote=cfg.promote and not read_only,
                           hot_capacity=cfg.hot_capacity, read_only=read_only)
     repo = Repository(objects, catalog, chunk_size=size, tiering=cfg, root=root)
     repo.shared_closed = shared_closed
+    if cold_ok and cold_info is not None and cold_info.get("tier") != "cold" and not record_tiers and saved is None:
+        # A one-tier store read through a hot tier given for this open only (the CLI's --hot): a write would go to
+        # that hot tier's catalog, which the store's own never sees (its refs then named a version its catalog
+        # lacked, and fsck said NOT OK; a review). It may be read so, not written.
+        repo.writes_refused = (
+            f"store {root} is a one-tier store, read here through the hot tier {cfg.hot} given for this command only "
+            "(--hot), so nothing was changed: its own catalog would never see the write. Leave --hot out to change "
+            "it")
     rebuild = not had_catalog and any(next(t.iter_ids("versions", "json"), None) for t in repo.tiers)
     return repo, rebuild, cold_ok
 
@@ -283,9 +291,12 @@ MAX_CHUNK_SIZE = 1 << 30
 (which FORMAT then kept for good) made every later save fail allocating a slot (a hunt)."""
 
 
-def check_chunk_size(size: int) -> None:
-    """InvalidArgumentError unless `size` is a whole multiple of 64 bytes from 64 B to `MAX_CHUNK_SIZE`."""
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % 64 or size > MAX_CHUNK_SIZE:
+def check_chunk_size(size: int, *, given: bool = True) -> None:
+    """InvalidArgumentError unless `size` is a whole multiple of 64 bytes from 64 B to `MAX_CHUNK_SIZE`. A size
+    read from a store's FORMAT (`given=False`) is held to the rule it was made under (no upper bound): a store
+    made with 2 GiB chunks before the bound opens as it did (a review)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % 64 or (
+            given and size > MAX_CHUNK_SIZE):
         raise InvalidArgumentError(f"chunk_size {size!r} must be a multiple of 64 bytes from 64 B to 1 GiB "
                                    "(the default is 16 MiB)")
 

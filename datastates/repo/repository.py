@@ -84,6 +84,9 @@ class Repository:
         self.shared_closed: Path | None = None
         """The cold tier, when this process may not write it (another user's store, read through a hot tier of
         this user's own): saves and ref changes are refused, the hot tier's catalog and cache are written."""
+        self.writes_refused: str | None = None
+        """Why this open may read but not write, when it was opened so for a reason of its own (a one-tier store
+        read through a hot tier given for this open only): what a call that writes raises."""
 
     # the parts, by the names maintenance code uses -------------------------------------
     @property
@@ -131,7 +134,7 @@ class Repository:
     def read_only(self) -> bool:
         """Opened read-only (`Store.open(..., read_only=True)`, or a store this process may not write: its catalog,
         or its shared cold tier, read through a hot tier of this user's own)."""
-        return self.catalog.read_only or self.shared_closed is not None
+        return self.catalog.read_only or self.shared_closed is not None or self.writes_refused is not None
 
     def check_writable(self) -> None:
         """check_open, then ReadOnlyStoreError on a store opened read-only (for the calls that write), and
@@ -139,6 +142,8 @@ class Repository:
         self.check_catalog_writable()
         if self.shared_closed is not None:
             raise ReadOnlyStoreError(read_only_message(self.path, self.shared_closed))
+        if self.writes_refused is not None:
+            raise ReadOnlyStoreError(self.writes_refused)
         if not (self.tier.root / "FORMAT").exists():
             # Its refs gone, a save would have started a new line with no parent, and its files a directory
             # without FORMAT that no later open accepts (a review).
@@ -186,7 +191,8 @@ class Repository:
         if m and m.group(1):
             base, suffix = m.group(1), m.group(2)
             # A count of more than 18 digits (int() refuses over 4300, a ValueError) is past any chain's root.
-            n = sum((int(x) if len(x) <= 18 else 10**18) if x else 1 for x in re.findall(r"~([0-9]*)", suffix))
+            n = sum((int(x.lstrip("0") or "0") if len(x.lstrip("0")) <= 18 else 10**18) if x else 1
+                    for x in re.findall(r"~([0-9]*)", suffix))  # (leading zeros count for nothing: ~0001 is ~1)
             n += suffix.count("^")
             vid = self.resolve(base)
             for i in range(n):
