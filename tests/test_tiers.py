@@ -596,3 +596,21 @@ def test_a_hot_tier_of_another_store_is_refused_and_left_as_it_was(tmp_path: Pat
         assert again.branches().keys() == {"b"} and again.fsck().ok
     with ds.Store.open(tmp_path / "A") as own:  # its config.toml names its own hot tier
         assert own.branches().keys() == {"a"}
+
+
+def test_a_hot_tier_named_as_the_store_is_refused(tmp_path: Path) -> None:
+    """`--store HOT_DIR` opened a hot tier as a one-tier store: fsck said the evicted packs were missing from
+    every tier, and prune and gc marked and collected that tier only (a hunt). A hot tier's FORMAT names its
+    store: opened as a store it is refused, and nothing is written."""
+    s = ds.Store.open(tmp_path / "cold", hot=tmp_path / "hot")
+    s.save(_state(1), branch="main")
+    s.close()
+    before = sorted((p, p.stat().st_size) for p in (tmp_path / "hot").rglob("*") if p.name != "lock.mdb")
+    with pytest.raises(ds.StoreFormatError, match="is the hot tier of a two-tier store"):
+        ds.Store.open(tmp_path / "hot")
+    r = subprocess.run([sys.executable, "-m", "datastates", "--store", str(tmp_path / "hot"), "fsck"],
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "is the hot tier of a two-tier store" in r.stderr and "Traceback" not in r.stderr
+    assert sorted((p, p.stat().st_size) for p in (tmp_path / "hot").rglob("*") if p.name != "lock.mdb") == before
+    with ds.Store.open(tmp_path / "cold") as again:
+        assert again.fsck().ok

@@ -83,6 +83,12 @@ def open_repository(path: str | os.PathLike[str], *, create: bool, chunk_size: i
                 f"{root} is the cold tier of a two-tier store, and its config.toml, which names the hot tier, is "
                 "missing: opened alone it would get a catalog and locks of its own on the shared tier. Open it with "
                 "its hot tier once, in Python: Store.open(path, hot=HOT_DIR), which writes config.toml again")
+        if "cold" in info:  # a hot tier's FORMAT (`_check_hot_of`), named as the store
+            raise StoreFormatError(
+                f"{root} is the hot tier of a two-tier store (made for the store created at {_when(info['cold'])}): "
+                "opened alone, the tensors evicted to the shared tier read as lost, and prune and gc would mark and "
+                f"collect this tier only. Open the store by its shared directory: on the command line --store "
+                f"SHARED_DIR --hot {shlex.quote(str(root))}, in Python Store.open(SHARED_DIR, hot={str(root)!r})")
         size = int(chunk_size or info.get("chunk_size", DEFAULT_CHUNK_SIZE))  # type: ignore[call-overload]
         check_chunk_size(size, given=False)  # (a given one was checked above)
         had_catalog = (root / "catalog" / "data.mdb").exists()
