@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from .errors import DataStatesError, IntegrityError, InvalidArgumentError, NotFoundError, UnsupportedValueError
+from .save.foreign import checkpoint_cause
 from .save.tree import dtype_from_name, dtype_name
 from .store import Store
 
@@ -284,7 +285,7 @@ def saved_state(store: Store, ref: Any, *, allow_pickle: bool = False) -> dict[s
     try:
         _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
     except CheckpointException as exc:  # a BaseException around our own error
-        inner = next(iter(exc.failures.values()), (None,))[0]
+        inner = checkpoint_cause(exc)
         if isinstance(inner, DataStatesError):
             raise inner from None
         raise

@@ -194,7 +194,7 @@ def _read_dcp(p: Path, allow_pickle: bool) -> Foreign:
         try:
             dcp_to_torch_save(str(p), os.path.join(tmp, "state.pt"))
         except (Exception, CheckpointException) as exc:  # a damaged .metadata, a data file missing or cut short
-            raise _unreadable(p, _cause(exc), "torch.distributed.checkpoint") from None
+            raise _unreadable(p, checkpoint_cause(exc), "torch.distributed.checkpoint") from None
         state, _ = _torch_load(Path(tmp) / "state.pt", allow_pickle=True)
     return Foreign(p, "dcp", state)
 
@@ -278,7 +278,7 @@ def _dcp_unfit(state: Any) -> str | None:
     return walk(state, back, "")
 
 
-def _cause(exc: BaseException) -> BaseException:
+def checkpoint_cause(exc: BaseException) -> BaseException:
     """The error inside DCP's CheckpointException (whose text is every rank's traceback), else `exc` itself."""
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
@@ -291,7 +291,7 @@ def _cause(exc: BaseException) -> BaseException:
 def _write_failed(target: Path, exc: BaseException) -> OSError:
     """A write of `target` that failed inside torch, safetensors or DCP (which raise RuntimeError, SafetensorError or
     a CheckpointException around the OSError), as an OSError: StorageFullError for a full disk or quota."""
-    exc = _cause(exc)
+    exc = checkpoint_cause(exc)
     text = str(exc)
     full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT) or any(
         s in text for s in ("No space left", "os error 28", "Disk quota exceeded", "os error 122"))
